@@ -1,0 +1,47 @@
+"""zerocopy_pickle: pickle any PyTorch object graph with its tensor storages out of band, and load it back as
+views into a shared, copy-on-write mapping.
+
+Quick start::
+
+    import zerocopy_pickle as zp
+
+    zp.dump(model.state_dict(), "weights.zcp")
+    state = zp.load("weights.zcp")           # no tensor bytes copied; pages load on first touch
+
+    snap = zp.freeze(model)                  # a sealed memfd, shareable with other processes
+    clone = snap.load()                      # a new copy-on-write model, in milliseconds
+
+Loading is restricted by default: only tensors, containers and primitives. Allow more per call with
+``allow=[MyClass, "module:qualname"]``, or ``trusted=True`` for snapshots you trust.
+"""
+
+from ._version import __version__
+from .errors import (
+    ArgumentError,
+    DeviceError,
+    DumpError,
+    RestrictedLoadError,
+    SnapshotError,
+    ZeroCopyPickleError,
+)
+from .pickler import ZeroCopyPickler, ZeroCopyUnpickler
+from .snapshot import Snapshot, dump, dumps, freeze, load, loads, scan
+
+__all__ = [
+    "ArgumentError",
+    "DeviceError",
+    "DumpError",
+    "RestrictedLoadError",
+    "Snapshot",
+    "SnapshotError",
+    "ZeroCopyPickleError",
+    "ZeroCopyPickler",
+    "ZeroCopyUnpickler",
+    "__version__",
+    "dump",
+    "dumps",
+    "freeze",
+    "load",
+    "loads",
+    "scan",
+]

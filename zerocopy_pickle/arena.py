@@ -1,0 +1,223 @@
+"""Where snapshot bytes live: files written atomically, sealed memfds, and private mappings of either.
+
+Writers produce a snapshot as a list of pieces (header, stream, padding, storage bytes) and hand it to
+:func:`write_pieces`, which writes them with ``writev`` in as few system calls as the kernel allows: each
+storage byte is copied exactly once, from the tensor's memory into the page cache (or the memfd).
+
+Readers map a snapshot with :func:`map_private` (``MAP_PRIVATE``): pages are shared with the page cache (and
+with every other process that maps the same file or memfd) until a page is written, and a write to a loaded
+tensor stays private to that one load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import secrets
+import stat
+from collections.abc import Iterator, Sequence
+from typing import BinaryIO
+
+__all__ = [
+    "Piece",
+    "anonymous",
+    "atomic_output",
+    "create_memfd",
+    "map_private",
+    "read_exact_into",
+    "seal",
+    "write_pieces",
+]
+
+Piece = bytes | bytearray | memoryview
+
+_IOV_MAX = 1024  # the Linux limit on iovecs per writev call
+_MAX_WRITE = 0x7FFFF000  # Linux transfers at most this much per write/writev call
+SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+def write_pieces(fd: int, pieces: Sequence[Piece]) -> int:
+    """Write every piece, in order, to ``fd`` at its current position.
+
+    Returns:
+        The number of bytes written.
+
+    Raises:
+        OSError: from the kernel (a full disk, a file size limit); what was written stays written.
+    """
+    views = [memoryview(p).cast("B") for p in pieces if len(p)]
+    total = 0
+    i = 0
+    while i < len(views):
+        batch: list[memoryview] = []
+        batch_bytes = 0
+        j = i
+        while j < len(views) and len(batch) < _IOV_MAX and batch_bytes < _MAX_WRITE:
+            batch.append(views[j])
+            batch_bytes += views[j].nbytes
+            j += 1
+        written = os.writev(fd, batch)
+        total += written
+        # Advance past what was written; a partial write leaves the rest of a view for the next call.
+        while written and i < len(views):
+            n = views[i].nbytes
+            if written >= n:
+                written -= n
+                i += 1
+            else:
+                views[i] = views[i][written:]
+                written = 0
+    return total
+
+
+def write_pieces_to_file(f: BinaryIO, pieces: Sequence[Piece]) -> int:
+    """Write every piece to a binary file object (any object with ``write``)."""
+    total = 0
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        while view.nbytes:
+            n = f.write(view)
+            if n is None:  # non-blocking raw stream that could not take anything now
+                raise BlockingIOError(errno.EAGAIN, "the output stream is non-blocking and would block")
+            total += n
+            view = view[n:]
+    return total
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike[str], *, fsync: bool = False) -> Iterator[int]:
+    """Yield a writable fd whose contents replace ``path`` only if the block completes.
+
+    The data is written into an unnamed ``O_TMPFILE`` inode in the target directory, which the kernel frees
+    by itself if the process dies, and is given a name only at the end: linked under a temporary name and
+    renamed over ``path`` (one atomic step for readers). A snapshot is therefore never truncated or rewritten
+    in place while someone maps it, and a failed or killed dump leaves the previous file untouched. Where
+    ``O_TMPFILE`` is unsupported, a named temporary file is used and removed on any exception.
+
+    Args:
+        path: the destination.
+        fsync: flush the data (and the directory entry) to stable storage before returning.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    base = os.path.basename(path)
+    tmp_name = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.zcp-tmp")
+    fd = -1
+    named = False
+    try:
+        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o666)
+    except (OSError, AttributeError):
+        fd = os.open(tmp_name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o666)
+        named = True
+    try:
+        yield fd
+        if fsync:
+            os.fsync(fd)
+        if not named:
+            try:
+                _link_unnamed(fd, tmp_name, directory)
+            except OSError:
+                # No /proc: copy the unnamed file into a named one instead (rare; costs a copy).
+                _copy_fd_to_new_file(fd, tmp_name)
+            named = True
+        os.replace(tmp_name, path)
+        named = False
+        if fsync:
+            dfd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+    finally:
+        os.close(fd)
+        if named:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name)
+
+
+def _link_unnamed(fd: int, name: str, directory: str) -> None:
+    # linkat(AT_SYMLINK_FOLLOW) on the /proc magic link gives an O_TMPFILE inode a name without privileges.
+    # os.link only calls linkat (rather than link, which does not follow the magic link) when a dir fd is
+    # passed, hence src_dir_fd (ignored for the absolute path otherwise).
+    dfd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.link(f"/proc/self/fd/{fd}", name, src_dir_fd=dfd, follow_symlinks=True)
+    finally:
+        os.close(dfd)
+
+
+def _copy_fd_to_new_file(src_fd: int, name: str) -> None:
+    size = os.fstat(src_fd).st_size
+    out = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o666)
+    try:
+        offset = 0
+        while offset < size:
+            sent = os.copy_file_range(src_fd, out, size - offset, offset, offset)
+            if sent == 0:
+                raise OSError(errno.EIO, f"short copy while naming {name}")
+            offset += sent
+    finally:
+        os.close(out)
+
+
+def create_memfd(name: str) -> int:
+    """Create an anonymous, sealable memory file (``memfd_create``) and return its fd (close-on-exec)."""
+    return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+
+
+def seal(fd: int) -> None:
+    """Seal a memfd against any change of size or contents, and against further sealing changes.
+
+    Sealing is what makes a memfd safe to hand to other processes: nobody can shrink it under their mappings
+    (which would raise SIGBUS on access) or change the bytes they validated.
+    """
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+
+
+def is_sealed(fd: int) -> bool:
+    """Whether ``fd`` is a memfd carrying every seal :func:`seal` adds."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False
+    return seals & SEALS == SEALS
+
+
+def map_private(fd: int, nbytes: int) -> mmap.mmap:
+    """Map the first ``nbytes`` of ``fd`` copy-on-write (``MAP_PRIVATE``, readable and writable).
+
+    Raises:
+        OSError: the file cannot be mapped (for instance it is not a regular file or memfd).
+    """
+    return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def anonymous(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory, page-aligned and zero-filled on first touch (for copying reads)."""
+    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def read_exact_into(f: BinaryIO, view: memoryview) -> int:
+    """Fill ``view`` from ``f``; return how many bytes were read (fewer only at end of file)."""
+    got = 0
+    readinto = getattr(f, "readinto", None)
+    while got < view.nbytes:
+        if readinto is not None:
+            n = readinto(view[got:])
+        else:
+            chunk = f.read(view.nbytes - got)
+            n = len(chunk)
+            view[got : got + n] = chunk
+        if not n:
+            break
+        got += n
+    return got
+
+
+def regular_file_size(fd: int) -> int | None:
+    """The size of ``fd`` if it is a regular file or memfd (mappable), else None."""
+    st = os.fstat(fd)
+    return st.st_size if stat.S_ISREG(st.st_mode) else None

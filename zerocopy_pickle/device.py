@@ -1,0 +1,133 @@
+"""Placing loaded storages on devices: ``map_location`` with ``torch.load``'s semantics.
+
+Every storage is rebuilt first as a CPU view into the snapshot's mapping. It stays there (zero-copy) when its
+target is the CPU; otherwise it is copied to the target device. The target follows ``torch.load``:
+
+* ``None``: the device the storage was saved from;
+* a string or :class:`torch.device`: that device, for every storage;
+* a dict: maps saved locations (``"cuda:1"``) to new ones; unmapped locations stay;
+* a callable ``f(storage, location)``: returns the storage to use, or None for the default.
+
+:func:`check_targets` runs before unpickling, so a load that cannot place its storages fails before it has
+built anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from .errors import ArgumentError, DeviceError
+
+__all__ = ["MapLocation", "check_targets", "default_restore", "restore", "static_target"]
+
+MapLocation = (
+    str
+    | torch.device
+    | Mapping[str, str | torch.device]
+    | Callable[[torch.UntypedStorage, str], torch.UntypedStorage | None]
+    | None
+)
+
+
+def _parse(location: str, map_location: MapLocation) -> torch.device:
+    try:
+        return torch.device(location)
+    except (RuntimeError, TypeError) as e:
+        raise DeviceError(f"{location!r} is not a device name (map_location={map_location!r:.80})") from e
+
+
+def _check_available(device: torch.device, saved: str, map_location: MapLocation) -> None:
+    if device.type in ("cpu", "meta"):
+        return
+    hint = (
+        f"the snapshot holds storages saved on {saved!r}; pass map_location='cpu' (or a dict or callable, as "
+        f"for torch.load) to load them elsewhere"
+    )
+    if map_location is not None:
+        hint = f"map_location={map_location!r:.80} sends storages saved on {saved!r} there"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"cannot place a storage on {device}: CUDA is not available here; {hint}")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceError(
+                f"cannot place a storage on {device}: this machine has {torch.cuda.device_count()} CUDA "
+                f"device(s); {hint}"
+            )
+        return
+    module = getattr(torch, device.type, None)
+    is_available = getattr(module, "is_available", None)
+    if callable(is_available) and not is_available():
+        raise DeviceError(f"cannot place a storage on {device}: {device.type} is not available here; {hint}")
+
+
+def is_cpu(location: str) -> bool:
+    """Whether a device name denotes the CPU."""
+    return location == "cpu" or location.startswith("cpu:")
+
+
+def static_target(map_location: MapLocation, location: str) -> str | None:
+    """The device a storage saved on ``location`` goes to, or None when a callable decides at load time.
+
+    Raises:
+        ArgumentError: ``map_location`` is not one of the accepted kinds.
+    """
+    if map_location is None:
+        return location
+    if isinstance(map_location, (str, torch.device)):
+        return str(map_location)
+    if isinstance(map_location, Mapping):
+        return str(map_location.get(location, location))
+    if callable(map_location):
+        return None
+    raise ArgumentError(
+        f"map_location must be None, a device string, a torch.device, a dict or a callable, "
+        f"not {type(map_location).__name__}"
+    )
+
+
+def check_targets(map_location: MapLocation, locations: Iterable[str]) -> None:
+    """Check, before anything is built, that every saved location can be placed where it is sent.
+
+    Raises:
+        DeviceError: a target device does not exist here; the message names ``map_location``.
+        ArgumentError: ``map_location`` is malformed.
+    """
+    for location in set(locations):
+        target = static_target(map_location, location)
+        if target is not None:
+            _check_available(_parse(target, map_location), location, map_location)
+
+
+def default_restore(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+    """Move a CPU storage to ``location`` (kept as is, without a copy, when that is the CPU)."""
+    device = _parse(location, None)
+    if device.type == "cpu":
+        return storage
+    _check_available(device, location, None)
+    moved: torch.UntypedStorage = storage.to(device=device)
+    return moved
+
+
+def restore(storage: torch.UntypedStorage, location: str, map_location: MapLocation) -> torch.UntypedStorage:
+    """Place a freshly rebuilt CPU storage, saved on ``location``, according to ``map_location``.
+
+    Raises:
+        DeviceError: the target does not exist, or a callable returned something that is not a storage.
+    """
+    target = static_target(map_location, location)
+    if target is not None:
+        return default_restore(storage, target)
+    assert callable(map_location)
+    result = map_location(storage, location)
+    if result is None:
+        return default_restore(storage, location)
+    if isinstance(result, torch.storage.TypedStorage):
+        return result._untyped_storage
+    if not isinstance(result, torch.UntypedStorage):
+        raise DeviceError(
+            f"map_location callable returned {type(result).__name__} for a storage saved on {location!r}; "
+            f"it must return a storage or None"
+        )
+    return result

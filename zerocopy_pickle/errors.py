@@ -1,0 +1,64 @@
+"""The library's exception hierarchy.
+
+Every error this library raises on purpose derives from :class:`ZeroCopyPickleError`, and also from the
+built-in kind a caller would already catch for that situation (``ValueError`` for a malformed snapshot,
+``pickle.UnpicklingError`` for a refused global, ``pickle.PicklingError`` for an object that cannot be
+dumped), so existing ``except`` clauses keep working.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+__all__ = [
+    "ArgumentError",
+    "DeviceError",
+    "DumpError",
+    "RestrictedLoadError",
+    "SnapshotError",
+    "ZeroCopyPickleError",
+]
+
+
+class ZeroCopyPickleError(Exception):
+    """Base class of every error raised by zerocopy_pickle."""
+
+
+class SnapshotError(ZeroCopyPickleError, ValueError):
+    """A snapshot is malformed, truncated, or inconsistent with its header.
+
+    The message names the field or range that is wrong and where it is.
+    """
+
+
+class DumpError(ZeroCopyPickleError, pickle.PicklingError):
+    """An object graph could not be written as a snapshot."""
+
+
+class RestrictedLoadError(ZeroCopyPickleError, pickle.UnpicklingError):
+    """A restricted load met a global that is not on this call's allow-list.
+
+    Attributes:
+        refused: the ``(module, qualname)`` pair that was refused.
+        needed: every ``(module, qualname)`` pair the stream references that this call does not allow,
+            when it could be determined (see :func:`zerocopy_pickle.scan`).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        refused: tuple[str, str],
+        needed: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.refused = refused
+        self.needed = needed
+
+
+class DeviceError(ZeroCopyPickleError, RuntimeError):
+    """A storage cannot be placed on the device its snapshot or ``map_location`` asks for."""
+
+
+class ArgumentError(ZeroCopyPickleError, ValueError):
+    """An argument has the wrong type or value (an ``allow=`` entry, a ``map_location``, an option)."""

@@ -1,0 +1,381 @@
+"""The snapshot layout (format v1): encoding the header, and validating every byte of it before use.
+
+A snapshot is one contiguous byte sequence::
+
+    [0, 32)                        fixed header: magic (version in its last byte), flags, header length,
+                                   total length, CRC-32 of the JSON header
+    [32, 32 + H)                   JSON header (UTF-8): sizes, buffer table, plugins, producer
+    [32 + H, 32 + H + S)           pickle stream (protocol 5, buffers out of band)
+    [D, D + N)                     data region; D = 32 + H + S rounded up to a page (4096)
+
+Buffer offsets in the table are relative to ``D``. Every buffer starts on a 64-byte boundary, and buffers of
+64 KiB or more on a 4096-byte boundary, so that a storage mapped from the file is as aligned as one from the
+CPU allocator. ``docs/format.md`` is the normative description; this module is its only implementation.
+
+Nothing here touches tensors or pickle: it turns sizes into a layout and bytes into a validated
+:class:`Header`, and it raises :class:`~zerocopy_pickle.errors.SnapshotError` naming the field and offset for
+anything that does not hold.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from .errors import SnapshotError
+
+__all__ = [
+    "FIXED_NBYTES",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "BufferEntry",
+    "BufferSpec",
+    "Header",
+    "Layout",
+    "decode_fixed",
+    "decode_header",
+    "encode",
+]
+
+MAGIC_PREFIX = b"\x89ZCP\r\n\x1a"
+"""First seven bytes of every snapshot. Like PNG's, the CR LF and ^Z catch text-mode mangling."""
+FORMAT_VERSION = 1
+MAGIC = MAGIC_PREFIX + bytes([FORMAT_VERSION])
+
+_FIXED = struct.Struct("<8sIIQII")  # magic, flags, header_nbytes, total_nbytes, header_crc32, reserved
+FIXED_NBYTES = _FIXED.size
+assert FIXED_NBYTES == 32
+
+PAGE = 4096
+MIN_ALIGN = 64
+LARGE_ALIGN = 4096
+LARGE_BUFFER_NBYTES = 64 * 1024
+MAX_HEADER_NBYTES = 64 * 1024 * 1024
+"""A reader refuses headers larger than this before reading them (about 400k buffers)."""
+_MAX_INT = (1 << 63) - 1
+_MAX_NAME = 64
+_LOCATION_RE = re.compile(r"[a-z][a-z0-9_]*(:[0-9]{1,4})?")
+_DTYPE_RE = re.compile(r"[a-z][a-z0-9_]*")
+
+_REQUIRED_KEYS = frozenset({"version", "stream_nbytes", "data_nbytes", "buffers", "plugins", "producer"})
+
+
+def align_up(n: int, alignment: int) -> int:
+    """Round ``n`` up to a multiple of ``alignment`` (a power of two)."""
+    return (n + alignment - 1) & ~(alignment - 1)
+
+
+def buffer_alignment(nbytes: int) -> int:
+    """The alignment a writer gives a buffer of ``nbytes``."""
+    return LARGE_ALIGN if nbytes >= LARGE_BUFFER_NBYTES else MIN_ALIGN
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """What a writer knows about one out-of-band buffer before it is placed."""
+
+    nbytes: int
+    location: str = "cpu"
+    dtype: str | None = None
+    readonly: bool = False
+
+
+class BufferEntry(NamedTuple):
+    """One row of the buffer table: where a buffer lies (relative to the data region) and what it holds.
+
+    ``location`` is the device the storage was on when dumped (``"cpu"``, ``"cuda:0"``; meta storages hold
+    no bytes and have no row); ``dtype`` is the element type of the tensor that first referenced the
+    storage, if known.
+    """
+
+    offset: int
+    nbytes: int
+    location: str = "cpu"
+    dtype: str | None = None
+    readonly: bool = False
+
+
+@dataclass(frozen=True)
+class Header:
+    """A validated snapshot header. All offsets are absolute positions in the snapshot unless noted."""
+
+    version: int
+    total_nbytes: int
+    header_nbytes: int
+    stream_offset: int
+    stream_nbytes: int
+    data_offset: int
+    data_nbytes: int
+    buffers: tuple[BufferEntry, ...]
+    plugins: tuple[str, ...]
+    producer: dict[str, str]
+
+    def buffer_range(self, index: int) -> tuple[int, int]:
+        """Absolute ``(start, stop)`` of buffer ``index``."""
+        entry = self.buffers[index]
+        start = self.data_offset + entry.offset
+        return start, start + entry.nbytes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a writer puts everything: the encoded prefix (fixed header + JSON) and each buffer's offset."""
+
+    prefix: bytes
+    stream_offset: int
+    data_offset: int
+    buffer_offsets: tuple[int, ...]
+    total_nbytes: int
+
+
+def encode(
+    stream_nbytes: int,
+    buffers: Sequence[BufferSpec],
+    *,
+    plugins: Sequence[str] = (),
+    producer: dict[str, str] | None = None,
+) -> Layout:
+    """Lay out a snapshot and encode its fixed header and JSON header.
+
+    Args:
+        stream_nbytes: length of the pickle stream.
+        buffers: the out-of-band buffers, in the order the stream consumes them.
+        plugins: names of plugins that must be imported before the stream is unpickled.
+        producer: versions of the software that wrote the snapshot (informational).
+
+    Returns:
+        The :class:`Layout`; the caller writes ``prefix``, the stream, zero padding up to ``data_offset``,
+        then each buffer at ``data_offset + buffer_offsets[i]`` (zero padding between them).
+    """
+    offsets = []
+    cursor = 0
+    table = []
+    for spec in buffers:
+        offset = align_up(cursor, buffer_alignment(spec.nbytes))
+        offsets.append(offset)
+        cursor = offset + spec.nbytes
+        table.append([offset, spec.nbytes, spec.location, spec.dtype, spec.readonly])
+    header = {
+        "version": FORMAT_VERSION,
+        "stream_nbytes": stream_nbytes,
+        "data_nbytes": cursor,
+        "buffers": table,
+        "plugins": list(plugins),
+        "producer": dict(producer or {}),
+    }
+    blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode("utf-8")
+    if len(blob) > MAX_HEADER_NBYTES:
+        raise SnapshotError(
+            f"snapshot header would be {len(blob)} bytes, over the format's limit of {MAX_HEADER_NBYTES}; "
+            f"the object graph has {len(buffers)} storages - merge small tensors or split the object"
+        )
+    stream_offset = FIXED_NBYTES + len(blob)
+    data_offset = align_up(stream_offset + stream_nbytes, PAGE)
+    total = data_offset + cursor
+    fixed = _FIXED.pack(MAGIC, 0, len(blob), total, zlib.crc32(blob), 0)
+    return Layout(fixed + blob, stream_offset, data_offset, tuple(offsets), total)
+
+
+def decode_fixed(fixed: bytes | memoryview, actual_nbytes: int | None) -> tuple[int, int, int]:
+    """Validate the 32-byte fixed header.
+
+    Args:
+        fixed: the first bytes of the snapshot (at least 32 of them).
+        actual_nbytes: the snapshot's real size when known (file size, buffer length), else None.
+
+    Returns:
+        ``(header_nbytes, total_nbytes, header_crc32)``.
+
+    Raises:
+        SnapshotError: wrong magic or version, unknown flags, a header length beyond the cap or the
+            snapshot, or a total length that disagrees with ``actual_nbytes``.
+    """
+    if len(fixed) < FIXED_NBYTES:
+        raise SnapshotError(
+            f"truncated snapshot: {len(fixed)} bytes, but the fixed header alone is {FIXED_NBYTES} bytes"
+        )
+    magic, flags, header_nbytes, total, crc, reserved = _FIXED.unpack_from(fixed, 0)
+    if magic[:7] != MAGIC_PREFIX:
+        raise SnapshotError(f"not a zerocopy_pickle snapshot: bytes 0-7 are {bytes(magic)!r}, expected {MAGIC!r}")
+    if magic[7] != FORMAT_VERSION:
+        raise SnapshotError(
+            f"snapshot format version {magic[7]} (byte 7) is not supported; this reader understands version "
+            f"{FORMAT_VERSION}. Upgrade zerocopy_pickle to read newer snapshots."
+        )
+    if flags != 0:
+        raise SnapshotError(f"unknown flags {flags:#x} in the fixed header (offset 8); version 1 defines none")
+    if reserved != 0:
+        raise SnapshotError(f"reserved field at offset 28 is {reserved:#x}, must be 0")
+    if not 2 <= header_nbytes <= MAX_HEADER_NBYTES:
+        raise SnapshotError(f"header length {header_nbytes} (offset 12) is outside [2, {MAX_HEADER_NBYTES}]")
+    if total < FIXED_NBYTES + header_nbytes:
+        raise SnapshotError(
+            f"total length {total} (offset 16) is smaller than the fixed header plus the {header_nbytes}-byte header"
+        )
+    if actual_nbytes is not None and actual_nbytes != total:
+        what = "truncated snapshot" if actual_nbytes < total else "trailing bytes after the snapshot"
+        raise SnapshotError(f"{what}: the header says {total} bytes, found {actual_nbytes}")
+    return header_nbytes, total, crc
+
+
+def decode_header(fixed: bytes | memoryview, blob: bytes | memoryview, actual_nbytes: int | None) -> Header:
+    """Validate the fixed header and the JSON header and return the :class:`Header`.
+
+    Every range the header names is checked against the snapshot's total length; buffers must lie inside the
+    data region, in increasing order, without overlap, and aligned to at least 64 bytes.
+
+    Args:
+        fixed: the first 32 bytes.
+        blob: the JSON header (exactly the length the fixed header names).
+        actual_nbytes: the snapshot's real size when known.
+
+    Raises:
+        SnapshotError: naming the first field that does not hold.
+    """
+    header_nbytes, total, crc = decode_fixed(fixed, actual_nbytes)
+    if len(blob) != header_nbytes:
+        raise SnapshotError(
+            f"truncated snapshot: the header is {header_nbytes} bytes at offset {FIXED_NBYTES}, "
+            f"only {len(blob)} are present"
+        )
+    if zlib.crc32(blob) != crc:
+        raise SnapshotError(
+            f"header checksum mismatch: CRC-32 of bytes {FIXED_NBYTES}-{FIXED_NBYTES + header_nbytes} is "
+            f"{zlib.crc32(blob):#010x}, the fixed header (offset 24) says {crc:#010x}; the header is corrupt"
+        )
+    try:
+        text = bytes(blob).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SnapshotError(f"header at offset {FIXED_NBYTES} is not UTF-8: {e}") from e
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicates)
+    except ValueError as e:  # json.JSONDecodeError, or a duplicate key from the hook
+        raise SnapshotError(f"header at offset {FIXED_NBYTES} is not valid JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise SnapshotError(f"header must be a JSON object, found {type(obj).__name__}")
+    missing = _REQUIRED_KEYS - obj.keys()
+    if missing:
+        raise SnapshotError(f"header lacks required key(s) {sorted(missing)}")
+    unknown = obj.keys() - _REQUIRED_KEYS
+    if unknown:
+        raise SnapshotError(
+            f"header has unknown key(s) {sorted(unknown)}: written by a newer zerocopy_pickle; upgrade to read it"
+        )
+    if obj["version"] != FORMAT_VERSION or isinstance(obj["version"], bool):
+        raise SnapshotError(f"header version {obj['version']!r} disagrees with the magic's {FORMAT_VERSION}")
+    stream_nbytes = _int(obj["stream_nbytes"], "stream_nbytes")
+    data_nbytes = _int(obj["data_nbytes"], "data_nbytes")
+    stream_offset = FIXED_NBYTES + header_nbytes
+    data_offset = align_up(stream_offset + stream_nbytes, PAGE)
+    if stream_nbytes < 1:
+        raise SnapshotError("stream_nbytes is 0: a snapshot holds at least a pickle STOP opcode")
+    if data_offset + data_nbytes != total:
+        raise SnapshotError(
+            f"sizes do not add up: stream [{stream_offset}, {stream_offset + stream_nbytes}) and a "
+            f"{data_nbytes}-byte data region at {data_offset} end at {data_offset + data_nbytes}, "
+            f"but the snapshot is {total} bytes"
+        )
+    buffers = _buffers(obj["buffers"], data_nbytes)
+    plugins = obj["plugins"]
+    if not isinstance(plugins, list) or not all(isinstance(p, str) and 0 < len(p) <= 200 for p in plugins):
+        raise SnapshotError(f"header 'plugins' must be a list of names, found {plugins!r:.200}")
+    producer = obj["producer"]
+    if not isinstance(producer, dict) or not all(
+        isinstance(v, str) and len(k) <= _MAX_NAME and len(v) <= 200 for k, v in producer.items()
+    ):
+        raise SnapshotError(f"header 'producer' must map names to version strings, found {producer!r:.200}")
+    return Header(
+        version=FORMAT_VERSION,
+        total_nbytes=total,
+        header_nbytes=header_nbytes,
+        stream_offset=stream_offset,
+        stream_nbytes=stream_nbytes,
+        data_offset=data_offset,
+        data_nbytes=data_nbytes,
+        buffers=buffers,
+        plugins=tuple(plugins),
+        producer=dict(producer),
+    )
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _int(value: object, what: str) -> int:
+    if type(value) is not int or not 0 <= value <= _MAX_INT:
+        raise SnapshotError(f"header field {what} must be an integer in [0, 2**63), found {value!r:.80}")
+    return value
+
+
+def _buffers(table: object, data_nbytes: int) -> tuple[BufferEntry, ...]:
+    if not isinstance(table, list):
+        raise SnapshotError(f"header 'buffers' must be a list, found {type(table).__name__}")
+    out = []
+    previous_end = 0
+    locations: set[str] = set()  # names already validated
+    dtypes: set[str] = set()
+    for i, row in enumerate(table):
+        # One cheap combined test per row (a snapshot can have thousands); the precise message comes from
+        # _buffer_error only when something is wrong.
+        if (
+            type(row) is not list
+            or len(row) != 5
+            or type(row[0]) is not int
+            or type(row[1]) is not int
+            or row[0] < previous_end
+            or row[0] & (MIN_ALIGN - 1)
+            or not 0 <= row[1] <= data_nbytes - row[0]
+            or type(row[4]) is not bool
+            or type(row[2]) is not str
+            or (row[2] not in locations and not _valid_location(row[2]))
+            or (row[3] is not None and (type(row[3]) is not str or (row[3] not in dtypes and not _valid_dtype(row[3]))))
+        ):
+            raise _buffer_error(i, row, previous_end, data_nbytes)
+        locations.add(row[2])
+        if row[3] is not None:
+            dtypes.add(row[3])
+        previous_end = row[0] + row[1]
+        out.append(BufferEntry(*row))
+    return tuple(out)
+
+
+def _valid_location(value: object) -> bool:
+    return isinstance(value, str) and len(value) <= _MAX_NAME and _LOCATION_RE.fullmatch(value) is not None
+
+
+def _valid_dtype(value: object) -> bool:
+    return isinstance(value, str) and len(value) <= _MAX_NAME and _DTYPE_RE.fullmatch(value) is not None
+
+
+def _buffer_error(i: int, row: object, previous_end: int, data_nbytes: int) -> SnapshotError:
+    where = f"buffers[{i}]"
+    if not isinstance(row, list) or len(row) != 5:
+        return SnapshotError(f"{where} must be [offset, nbytes, location, dtype, readonly], found {row!r:.200}")
+    offset = _int(row[0], f"{where} offset")
+    nbytes = _int(row[1], f"{where} nbytes")
+    location, dtype, readonly = row[2], row[3], row[4]
+    if offset % MIN_ALIGN:
+        return SnapshotError(f"{where} offset {offset} is not aligned to {MIN_ALIGN} bytes")
+    if offset < previous_end:
+        return SnapshotError(
+            f"{where} at [{offset}, {offset + nbytes}) overlaps or precedes the previous buffer, "
+            f"which ends at {previous_end}"
+        )
+    if offset + nbytes > data_nbytes:
+        return SnapshotError(f"{where} at [{offset}, {offset + nbytes}) runs past the {data_nbytes}-byte data region")
+    if not isinstance(readonly, bool):
+        return SnapshotError(f"{where} readonly flag must be true or false, found {readonly!r:.80}")
+    if not _valid_location(location):
+        return SnapshotError(f"{where} location {location!r:.80} is not a device name like 'cpu' or 'cuda:0'")
+    return SnapshotError(f"{where} dtype {dtype!r:.80} is not a dtype name")

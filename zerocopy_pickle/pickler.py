@@ -1,0 +1,255 @@
+"""``ZeroCopyPickler`` and ``ZeroCopyUnpickler``: the C pickler and unpickler, with storages out of band.
+
+The pickler is ``pickle.Pickler`` (the C implementation) at protocol 5 with a private dispatch table chained
+over copyreg's. Plain ``Tensor.__reduce_ex__`` and ``Parameter.__reduce_ex__`` are left as they are: they
+reach a ``TypedStorage`` (or, for the newer dtypes, an ``UntypedStorage``), and those two types are reduced
+here to ``rebuild_storage(PickleBuffer(bytes of the storage), location)``. The buffer goes to
+``buffer_callback`` (out of band) and only its index enters the stream, so a stream holds no tensor bytes.
+A storage shared by several tensors is one Python object (torch preserves storage identity), so the pickle
+memo stores it once and tied weights stay tied.
+
+The unpickler is ``pickle.Unpickler`` (C) whose ``find_class`` consults the call's allow-list (restricted
+loading, the default) and substitutes a per-load :class:`~zerocopy_pickle.rebuild.StorageBuilder` for
+``rebuild_storage`` so that one load's ``map_location`` never leaks into another.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import ctypes
+import functools
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import torch
+
+from . import rebuild
+from .device import MapLocation, static_target
+from .errors import ArgumentError, SnapshotError
+from .format import BufferSpec
+from .restricted import AllowList, AllowSpec
+
+__all__ = ["PROTOCOL", "ZeroCopyPickler", "ZeroCopyUnpickler"]
+
+PROTOCOL = 5
+"""Out-of-band buffers need pickle protocol 5 (PEP 574)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def storage_bytes(storage: torch.UntypedStorage) -> memoryview:
+    """A writable byte view of a CPU storage's memory (no copy). The storage must outlive the view."""
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    array = (ctypes.c_ubyte * nbytes).from_address(storage.data_ptr())
+    return memoryview(array).cast("B")
+
+
+@dataclass
+class _DumpState:
+    """What the reducers of one pickler share. Kept apart from the pickler so that no reference cycle runs
+    through the C pickler (its dispatch table and buffer callback point here, not back to it)."""
+
+    # Out-of-band buffers' specs, in stream order: the header's buffer table.
+    specs: list[BufferSpec] = field(default_factory=list)
+    # id(PickleBuffer) -> (the buffer, its spec), until the pickler hands the buffer to the callback.
+    pending: dict[int, tuple[pickle.PickleBuffer, BufferSpec]] = field(default_factory=dict)
+    # id(UntypedStorage) -> (storage, dtype name) seen through a TypedStorage, for the header's dtype column.
+    dtypes: dict[int, tuple[torch.UntypedStorage, str]] = field(default_factory=dict)
+    # Storages whose memory the buffers point into (host copies of device storages among them).
+    keepalive: list[torch.UntypedStorage] = field(default_factory=list)
+
+
+def _reduce_untyped_storage(state: _DumpState, storage: torch.UntypedStorage) -> tuple[Any, ...]:
+    dev = storage.device
+    if dev.type == "meta":
+        return rebuild.rebuild_meta_storage, (storage.nbytes(),)
+    location = str(dev)
+    host = storage if dev.type == "cpu" else storage.cpu()
+    buffer = pickle.PickleBuffer(storage_bytes(host))
+    hint = state.dtypes.get(id(storage))
+    spec = BufferSpec(nbytes=host.nbytes(), location=location, dtype=hint[1] if hint else None)
+    state.pending[id(buffer)] = (buffer, spec)
+    state.keepalive.append(host)
+    return rebuild.rebuild_storage, (buffer, location)
+
+
+def _reduce_typed_storage(state: _DumpState, storage: torch.storage.TypedStorage) -> tuple[Any, ...]:
+    untyped = storage._untyped_storage
+    state.dtypes.setdefault(id(untyped), (untyped, dtype_name(storage.dtype)))
+    return rebuild.rebuild_typed_storage, (untyped, storage.dtype)
+
+
+def _reduce_tensor(state: _DumpState, tensor: torch.Tensor) -> tuple[Any, ...]:
+    # A plain dense tensor (the overwhelming majority) reduces to one call over its untyped storage: cheaper
+    # to write and to load than Tensor.__reduce_ex__'s TypedStorage wrapper, and it records the dtype for
+    # the header. Everything else (quantized, sparse, nested, meta, conj/neg views, tensors carrying Python
+    # state or hooks) takes torch's own path, whose storages reach the storage reducers below.
+    if (
+        tensor.layout is not torch.strided
+        or tensor.is_quantized
+        or tensor.is_nested
+        or tensor.device.type == "meta"
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor._backward_hooks
+        or tensor.__dict__
+        or not torch._C._has_storage(tensor)
+    ):
+        return _torch_reduce(tensor)
+    storage = tensor.untyped_storage()
+    state.dtypes.setdefault(id(storage), (storage, dtype_name(tensor.dtype)))
+    return rebuild.rebuild_tensor, (
+        storage,
+        tensor.dtype,
+        tensor.storage_offset(),
+        tuple(tensor.size()),
+        tensor.stride(),
+        tensor.requires_grad,
+    )
+
+
+def _torch_reduce(tensor: torch.Tensor) -> tuple[Any, ...]:
+    func, args = tensor.__reduce_ex__(PROTOCOL)[:2]
+    return _wrap_v3_storage(func, args)
+
+
+def _wrap_v3_storage(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    # torch's _rebuild_tensor_v3 (the newer dtypes) is given an UntypedStorage when pickled, but reads
+    # `storage._untyped_storage` when loaded: torch.load's persistent_load hands it a TypedStorage. Give it a
+    # byte-typed TypedStorage, so the storage still travels once through the storage reducers.
+    if func is torch._utils._rebuild_tensor_v3 and isinstance(args[0], torch.UntypedStorage):
+        typed = torch.storage.TypedStorage(wrap_storage=args[0], dtype=torch.uint8, _internal=True)
+        return func, (typed, *args[1:])
+    if func is torch._tensor._rebuild_from_type_v2:
+        inner_func, new_type, inner_args, obj_state = args
+        inner_func, inner_args = _wrap_v3_storage(inner_func, inner_args)
+        return func, (inner_func, new_type, inner_args, obj_state)
+    return func, args
+
+
+def _on_buffer(state: _DumpState, callback: Callable[[pickle.PickleBuffer], Any], buffer: pickle.PickleBuffer) -> Any:
+    entry = state.pending.pop(id(buffer), None)
+    if entry is not None:
+        spec = entry[1]
+    else:  # a PickleBuffer from some other type's __reduce_ex__ (a NumPy array, say)
+        raw = buffer.raw()
+        spec = BufferSpec(nbytes=raw.nbytes, readonly=raw.readonly)
+    in_band = callback(buffer)
+    if not in_band:
+        state.specs.append(spec)
+    return in_band
+
+
+def _storage_types() -> list[type]:
+    # Tensor.__reduce_ex__ produces exactly TypedStorage / UntypedStorage; the legacy typed classes
+    # (torch.FloatStorage, ...) are subclasses a user may pickle directly. The dispatch table matches exact
+    # types, so list them all.
+    found: list[type] = [torch.storage.TypedStorage]
+    i = 0
+    while i < len(found):
+        found.extend(found[i].__subclasses__())
+        i += 1
+    return found
+
+
+class ZeroCopyPickler(pickle.Pickler):
+    """A ``pickle.Pickler`` (protocol 5) that sends every tensor storage out of band.
+
+    Args:
+        file: where the pickle stream goes (anything with ``write``).
+        protocol: must be 5 (the default) or -1.
+        buffer_callback: called with each out-of-band ``PickleBuffer``, as for ``pickle.Pickler``; a false
+            return keeps it out of band. With None, buffers are written in band (a self-contained stream).
+        fix_imports: as for ``pickle.Pickler``.
+
+    After :meth:`dump`, :attr:`buffer_specs` describes the out-of-band buffers in the order the stream
+    consumes them; the memory of those buffers stays valid while the pickler is alive.
+
+    Raises:
+        ArgumentError: a protocol below 5.
+    """
+
+    def __init__(
+        self,
+        file: IO[bytes],
+        protocol: int | None = PROTOCOL,
+        *,
+        buffer_callback: Callable[[pickle.PickleBuffer], Any] | None = None,
+        fix_imports: bool = True,
+    ) -> None:
+        if protocol is None or protocol < 0:
+            protocol = pickle.HIGHEST_PROTOCOL
+        if protocol < PROTOCOL:
+            raise ArgumentError(f"ZeroCopyPickler needs pickle protocol >= {PROTOCOL} (PEP 574), not {protocol}")
+        self._state = _DumpState()
+        reduce_typed = functools.partial(_reduce_typed_storage, self._state)
+        table: dict[type, Any] = dict(copyreg.dispatch_table)
+        table[torch.Tensor] = functools.partial(_reduce_tensor, self._state)
+        table[torch.UntypedStorage] = functools.partial(_reduce_untyped_storage, self._state)
+        table.update(dict.fromkeys(_storage_types(), reduce_typed))
+        # Must be set before pickle.Pickler.__init__, which reads it once.
+        self.dispatch_table = table
+        callback = None if buffer_callback is None else functools.partial(_on_buffer, self._state, buffer_callback)
+        super().__init__(file, protocol, fix_imports=fix_imports, buffer_callback=callback)
+
+    @property
+    def buffer_specs(self) -> list[BufferSpec]:
+        """Location, dtype and size of each out-of-band buffer, in stream order."""
+        return self._state.specs
+
+
+class ZeroCopyUnpickler(pickle.Unpickler):
+    """A ``pickle.Unpickler`` (C) for streams written by :class:`ZeroCopyPickler`.
+
+    Restricted by default: the stream may only name the built-in safe globals (tensors, storages,
+    containers, primitives, this library's rebuild functions) and those in ``allow``.
+
+    Args:
+        file: the pickle stream (anything with ``read``, ``readline``).
+        buffers: the out-of-band buffers, in order (an iterable), as for ``pickle.Unpickler``. A writable
+            buffer becomes a storage without a copy and is kept alive by it.
+        map_location: where storages go, as for ``torch.load``.
+        trusted: resolve every global (full pickle; runs whatever code the stream names).
+        allow: further globals to allow for this unpickler only (classes, functions, ``"module:qualname"``).
+        encoding, errors, fix_imports: as for ``pickle.Unpickler``.
+
+    Raises:
+        ArgumentError: a malformed ``allow`` entry or ``map_location``.
+    """
+
+    def __init__(
+        self,
+        file: IO[bytes],
+        *,
+        buffers: Any = None,
+        map_location: MapLocation = None,
+        trusted: bool = False,
+        allow: AllowSpec = (),
+        encoding: str = "ASCII",
+        errors: str = "strict",
+        fix_imports: bool = True,
+    ) -> None:
+        super().__init__(file, fix_imports=fix_imports, encoding=encoding, errors=errors, buffers=buffers)
+        static_target(map_location, "cpu")  # reject a malformed map_location before reading anything
+        self.allow_list: AllowList | None = None if trusted else AllowList(allow)
+        self._storage_builder = rebuild.StorageBuilder(map_location)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "zerocopy_pickle.rebuild" and name == "rebuild_storage":
+            return self._storage_builder
+        try:
+            if self.allow_list is not None:
+                return self.allow_list.find_class(module, name)
+            return super().find_class(module, name)
+        except (ImportError, AttributeError) as e:
+            raise SnapshotError(
+                f"the stream needs {module}:{name}, which cannot be imported here ({e}); install the package "
+                f"that defines it"
+            ) from e

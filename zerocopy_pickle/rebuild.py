@@ -1,0 +1,109 @@
+"""Every function a snapshot's pickle stream calls at load time.
+
+The module path and name of each function here are part of the file format: a stream names them as
+``zerocopy_pickle.rebuild:<name>``. Never rename or move one without leaving an alias behind, and never change
+the meaning of its arguments; add a new function instead.
+
+These are plain functions that work without this library's unpickler (``pickle.loads(stream,
+buffers=...)`` gives the same objects, placed on their saved devices). :class:`StorageBuilder` is what the
+library's unpickler substitutes for :func:`rebuild_storage`, to apply one load's ``map_location``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import device
+from .device import MapLocation
+
+__all__ = [
+    "StorageBuilder",
+    "rebuild_meta_storage",
+    "rebuild_storage",
+    "rebuild_tensor",
+    "rebuild_typed_storage",
+    "storage_from_buffer",
+]
+
+# Note [Arena lifetime]
+# ~~~~~~~~~~~~~~~~~~~~~
+# A loaded storage points into a mapping of the snapshot. The mapping must outlive every storage in it, and
+# nothing may unmap it under a live tensor: that is a segfault, not an exception. torch.frombuffer keeps a
+# reference to the object it is given and drops its own buffer export at once; so it is given a memoryview
+# slice, whose export of the mmap object lives as long as the slice. The storage's deleter holds the slice,
+# so while any storage is alive the mmap cannot be closed (mmap.close() raises BufferError) nor collected.
+# The library never calls close() on a load's mapping: it is unmapped when its last storage dies.
+
+
+def storage_from_buffer(buffer: Any) -> torch.UntypedStorage:
+    """Build a CPU ``UntypedStorage`` over ``buffer`` without copying it, when that is safe.
+
+    A writable buffer is aliased: the storage is a view into it and keeps it alive (Note [Arena lifetime]).
+    A read-only buffer is copied, because torch has no read-only storages and a writable tensor over
+    immutable memory (``bytes``) would be undefined behaviour.
+    """
+    view = memoryview(buffer)
+    if view.ndim != 1 or view.format not in ("B", "b", "c"):
+        view = view.cast("B")
+    if view.nbytes == 0:
+        return torch.UntypedStorage(0)
+    if view.readonly:
+        return torch.UntypedStorage.from_buffer(view, byte_order="native", dtype=torch.uint8)
+    return torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
+
+
+def rebuild_storage(buffer: Any, location: str) -> torch.UntypedStorage:
+    """Rebuild an ``UntypedStorage`` saved on ``location`` from its out-of-band buffer."""
+    return device.default_restore(storage_from_buffer(buffer), location)
+
+
+def rebuild_tensor(
+    storage: torch.UntypedStorage,
+    dtype: torch.dtype,
+    storage_offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+) -> torch.Tensor:
+    """A dense tensor as a view of ``storage`` (``Tensor.set_`` checks the view fits in it)."""
+    tensor = torch.empty((0,), dtype=dtype, device=storage.device)
+    tensor.set_(storage, storage_offset, size, stride)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def rebuild_typed_storage(storage: torch.UntypedStorage, dtype: torch.dtype) -> torch.storage.TypedStorage:
+    """Wrap an untyped storage as the ``TypedStorage`` that ``Tensor.__reduce_ex__`` expects."""
+    return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+
+def rebuild_meta_storage(nbytes: int) -> torch.UntypedStorage:
+    """A meta storage holds no data: only its size travels."""
+    return torch.UntypedStorage(nbytes, device="meta")
+
+
+class StorageBuilder:
+    """:func:`rebuild_storage` for one load: applies that load's ``map_location``.
+
+    The unpickler returns an instance of this class when a stream asks for
+    ``zerocopy_pickle.rebuild:rebuild_storage``; the call signature is the same.
+    """
+
+    __slots__ = ("_map_location", "_stays_on_cpu")
+
+    def __init__(self, map_location: MapLocation) -> None:
+        self._map_location = map_location
+        self._stays_on_cpu: dict[str, bool] = {}  # saved location -> whether its target is the CPU
+
+    def __call__(self, buffer: Any, location: str) -> torch.UntypedStorage:
+        storage = storage_from_buffer(buffer)
+        stays = self._stays_on_cpu.get(location)
+        if stays is None:
+            target = device.static_target(self._map_location, location)
+            stays = self._stays_on_cpu[location] = target is not None and device.is_cpu(target)
+        if stays:
+            return storage
+        return device.restore(storage, location, self._map_location)

@@ -1,0 +1,550 @@
+"""The public API: ``dump``/``load`` on paths and files, ``dumps``/``loads`` on bytes, ``freeze`` and
+:class:`Snapshot` on memfds, and ``scan``.
+
+Dump: the object graph goes through :class:`~zerocopy_pickle.pickler.ZeroCopyPickler`, whose buffer
+callback only *collects* each storage's memory; then :func:`~zerocopy_pickle.format.encode` lays the
+snapshot out, and the pieces are written in one pass (``writev``): each tensor byte is copied once, straight
+from the tensor into the file or memfd.
+
+Load: the snapshot is mapped ``MAP_PRIVATE`` once, its header validated, each buffer sliced from the mapping,
+and the C unpickler rebuilds every storage as a view into it. Load time grows with the number of objects,
+not of bytes; pages are read when a tensor first touches them.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+import platform
+from typing import IO, Any, BinaryIO, Union
+
+import torch
+
+from . import arena, format
+from ._version import __version__
+from .device import MapLocation, check_targets
+from .errors import ArgumentError, DumpError, RestrictedLoadError, SnapshotError, ZeroCopyPickleError
+from .pickler import ZeroCopyPickler, ZeroCopyUnpickler
+from .restricted import AllowSpec, format_global, scan_stream
+
+__all__ = ["Snapshot", "dump", "dumps", "freeze", "load", "loads", "scan"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+_ZEROS = bytes(format.PAGE)  # padding source: every gap in a snapshot is shorter than a page
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dump
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _Prepared:
+    """A pickled object graph, laid out and ready to write: the pieces reference the storages' memory."""
+
+    __slots__ = ("_keepalive", "layout", "pieces")
+
+    def __init__(self, obj: object) -> None:
+        stream = io.BytesIO()
+        views: list[memoryview] = []
+
+        def collect(buffer: pickle.PickleBuffer) -> bool:
+            views.append(buffer.raw())
+            return False  # out of band
+
+        pickler = ZeroCopyPickler(stream, buffer_callback=collect)
+        try:
+            pickler.dump(obj)
+        except RecursionError as e:
+            raise DumpError(
+                f"cannot pickle {type(obj).__name__}: the object graph is nested too deeply for pickle "
+                f"({e}); raise sys.setrecursionlimit or flatten the structure"
+            ) from e
+        except (pickle.PicklingError, TypeError, AttributeError, ValueError, BufferError) as e:
+            raise DumpError(f"cannot pickle {type(obj).__name__}: {e}") from e
+        specs = pickler.buffer_specs
+        self._keepalive = pickler  # the buffers point into storages the pickler keeps alive
+        body = stream.getbuffer()
+        self.layout = format.encode(
+            body.nbytes,
+            specs,
+            producer={
+                "zerocopy_pickle": __version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+        )
+        layout = self.layout
+        pieces: list[arena.Piece] = [layout.prefix, body]
+        cursor = layout.stream_offset + body.nbytes
+        for offset, view in zip(layout.buffer_offsets, views, strict=True):
+            start = layout.data_offset + offset
+            pieces.append(memoryview(_ZEROS)[: start - cursor])
+            pieces.append(view)
+            cursor = start + view.nbytes
+        if not views:
+            pieces.append(memoryview(_ZEROS)[: layout.data_offset - cursor])
+        self.pieces = pieces
+
+
+def dump(obj: object, f: PathLike | IO[bytes], *, fsync: bool = False) -> None:
+    """Write ``obj`` as a snapshot to a path or a binary file object.
+
+    Every tensor storage goes into the snapshot's data region (aligned, out of band); the pickle stream holds
+    only the object graph. Writing to a path is atomic: the snapshot is written to an unnamed temporary file
+    in the same directory and renamed over ``f`` only when complete, so a failed or killed dump leaves any
+    previous snapshot at ``f`` intact and no temporary file behind.
+
+    Args:
+        obj: any picklable object graph: a tensor, a state dict, an ``nn.Module``, nested containers.
+        f: a path (``str`` or ``os.PathLike``) or a binary file object opened for writing.
+        fsync: with a path, flush the file and its directory entry to stable storage before returning.
+
+    Raises:
+        DumpError: part of the graph cannot be pickled; nothing was written.
+        OSError: writing failed (a full disk, say); a path keeps its previous contents.
+    """
+    prepared = _Prepared(obj)
+    if isinstance(f, (str, os.PathLike)):
+        with arena.atomic_output(f, fsync=fsync) as fd:
+            arena.write_pieces(fd, prepared.pieces)
+    elif hasattr(f, "write"):
+        arena.write_pieces_to_file(f, prepared.pieces)  # type: ignore[arg-type]
+    else:
+        raise ArgumentError(f"dump() needs a path or a binary file object, not {type(f).__name__}")
+
+
+def dumps(obj: object) -> bytes:
+    """Return ``obj`` as a snapshot in one ``bytes`` object (the same bytes :func:`dump` writes).
+
+    Raises:
+        DumpError: part of the graph cannot be pickled.
+    """
+    return b"".join(_Prepared(obj).pieces)
+
+
+def freeze(obj: object, *, name: str = "zerocopy_pickle") -> Snapshot:
+    """Write ``obj`` as a snapshot into a sealed memfd.
+
+    The memfd lives in memory (shmem), outside any file system. Once written it is sealed: nobody, this
+    process included, can change its size or bytes, so it can be handed to other processes (by fd over a
+    Unix socket, or inherited) and loaded by all of them zero-copy, sharing the same physical pages.
+
+    Args:
+        obj: the object graph.
+        name: the memfd's name, shown in ``/proc/<pid>/fd`` and ``/proc/<pid>/maps``.
+
+    Returns:
+        A :class:`Snapshot` that owns the memfd. Its :meth:`Snapshot.load` defaults to ``trusted=True``:
+        this process wrote the stream.
+
+    Raises:
+        DumpError: part of the graph cannot be pickled.
+    """
+    prepared = _Prepared(obj)
+    fd = arena.create_memfd(name)
+    try:
+        arena.write_pieces(fd, prepared.pieces)
+        arena.seal(fd)
+        return Snapshot._adopt(fd, trusted=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _header_of(view: memoryview) -> format.Header:
+    header_nbytes, _, _ = format.decode_fixed(view[: format.FIXED_NBYTES], view.nbytes)
+    blob = view[format.FIXED_NBYTES : format.FIXED_NBYTES + header_nbytes]
+    return format.decode_header(view[: format.FIXED_NBYTES], blob, view.nbytes)
+
+
+def _load_view(
+    view: memoryview,
+    *,
+    map_location: MapLocation,
+    trusted: bool,
+    allow: AllowSpec,
+) -> Any:
+    """Unpickle the snapshot that fills ``view`` (writable, aligned); storages become views into it."""
+    header = _header_of(view)
+    check_targets(map_location, (entry.location for entry in header.buffers))
+    buffers = [view[start:stop] for start, stop in map(header.buffer_range, range(len(header.buffers)))]
+    stream = view[header.stream_offset : header.stream_offset + header.stream_nbytes]
+    remaining = iter(buffers)
+    source = io.BytesIO(stream)
+    unpickler = ZeroCopyUnpickler(source, buffers=remaining, map_location=map_location, trusted=trusted, allow=allow)
+    try:
+        obj = unpickler.load()
+    except RestrictedLoadError as e:
+        allow_list = unpickler.allow_list
+        needed = tuple(g for g in scan_stream(stream) if allow_list is None or g not in allow_list)
+        names = ", ".join(repr(format_global(g)) for g in needed) or repr(format_global(e.refused))
+        raise RestrictedLoadError(
+            f"{e} (restricted load). This snapshot needs {len(needed) or 1} global(s) that this call does not "
+            f"allow: {names}. If you trust where it came from, pass allow=[{names}] to allow exactly "
+            f"those for this call, or trusted=True to unpickle without restrictions.",
+            refused=e.refused,
+            needed=needed,
+        ) from None
+    except (pickle.UnpicklingError, EOFError) as e:
+        raise SnapshotError(f"the pickle stream (offset {header.stream_offset}) is corrupt: {e}") from e
+    if source.tell() != header.stream_nbytes:
+        raise SnapshotError(
+            f"the pickle stream ends at byte {source.tell()} of {header.stream_nbytes}: trailing data after STOP"
+        )
+    unused = sum(1 for _ in remaining)
+    if unused:
+        raise SnapshotError(
+            f"the stream consumed {len(buffers) - unused} of the {len(buffers)} buffers the header declares"
+        )
+    return obj
+
+
+def _map_fd(fd: int, nbytes: int, offset: int = 0) -> mmap.mmap:
+    if nbytes < format.FIXED_NBYTES:
+        raise SnapshotError(
+            f"truncated snapshot: {nbytes} bytes, but the fixed header alone is {format.FIXED_NBYTES} bytes"
+        )
+    if offset:
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+    return arena.map_private(fd, nbytes)
+
+
+def _read_copy(f: BinaryIO) -> mmap.mmap:
+    """Read one snapshot from the current position of ``f`` into private anonymous memory."""
+    fixed = f.read(format.FIXED_NBYTES)
+    if fixed is None:
+        raise SnapshotError("the input stream is non-blocking and has no data")
+    _, total, _ = format.decode_fixed(fixed, None)
+    memory = arena.anonymous(total)
+    view = memoryview(memory)
+    view[: format.FIXED_NBYTES] = fixed
+    got = format.FIXED_NBYTES + arena.read_exact_into(f, view[format.FIXED_NBYTES : total])
+    view.release()
+    if got != total:
+        raise SnapshotError(f"truncated snapshot: the header says {total} bytes, the input ended after {got}")
+    return memory
+
+
+def _open_path(path: PathLike, copy: bool) -> mmap.mmap:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except IsADirectoryError as e:
+        raise SnapshotError(f"{os.fspath(path)!r} is a directory, not a snapshot") from e
+    try:
+        size = arena.regular_file_size(fd)
+        if size is None or copy:
+            with os.fdopen(os.dup(fd), "rb", buffering=0) as raw:
+                memory = _read_copy(raw)
+                if raw.read(1):
+                    raise SnapshotError(f"trailing bytes after the {len(memory)}-byte snapshot in {path!r}")
+                return memory
+        return _map_fd(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _open_file(f: BinaryIO, copy: bool) -> mmap.mmap:
+    """Map a snapshot at the current position of an open file, or read it when that is not possible."""
+    try:
+        fd = f.fileno()
+        start = f.tell()
+        size = arena.regular_file_size(fd)
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        size = None
+    if copy or size is None or start % mmap.ALLOCATIONGRANULARITY:
+        return _read_copy(f)
+    fixed = os.pread(fd, format.FIXED_NBYTES, start)
+    _, total, _ = format.decode_fixed(fixed, None)
+    if start + total > size:
+        raise SnapshotError(
+            f"truncated snapshot: the header says {total} bytes from offset {start}, the file has {size - start}"
+        )
+    memory = _map_fd(fd, total, start)
+    f.seek(start + total)
+    return memory
+
+
+def load(
+    f: PathLike | IO[bytes],
+    *,
+    map_location: MapLocation = None,
+    trusted: bool = False,
+    allow: AllowSpec = (),
+    copy: bool = False,
+) -> Any:
+    """Load a snapshot from a path or a binary file object.
+
+    The file is mapped ``MAP_PRIVATE`` and every storage is a view into that mapping: nothing is copied and
+    pages are read when first touched. Writing to a loaded tensor copies only the touched page, privately:
+    the file and every other load of it are unchanged. The mapping lives as long as any storage in it.
+
+    Args:
+        f: a path, or a binary file object positioned at the start of a snapshot. A regular file whose
+            position is page-aligned is mapped; anything else (a pipe, a socket, an unaligned position) is
+            read into private memory once.
+        map_location: where storages go, as for ``torch.load`` (a device string, ``torch.device``, a dict
+            from saved to new locations, or a callable ``f(storage, location)``). Storages placed on the CPU
+            stay zero-copy.
+        trusted: unpickle without restrictions. Only for snapshots you trust: pickle runs code.
+        allow: globals this call may resolve beyond the built-in safe set: classes or functions, or
+            ``"module:qualname"`` strings (for example ``allow=[MyModel, "collections:Counter"]``).
+        copy: read the snapshot into private memory instead of mapping it (for file systems where mapping
+            is unsafe or slow).
+
+    Returns:
+        The object graph.
+
+    Raises:
+        SnapshotError: the snapshot is malformed or truncated (nothing was built).
+        RestrictedLoadError: the stream names a global this call does not allow; the message lists every
+            such global and the ``allow=`` that would accept them.
+        DeviceError: a storage's target device does not exist here (nothing was built).
+    """
+    if isinstance(f, (str, os.PathLike)):
+        memory = _open_path(f, copy)
+    elif hasattr(f, "read"):
+        memory = _open_file(f, copy)  # type: ignore[arg-type]
+    else:
+        raise ArgumentError(f"load() needs a path or a binary file object, not {type(f).__name__}")
+    return _load_view(memoryview(memory), map_location=map_location, trusted=trusted, allow=allow)
+
+
+def _is_aligned(view: memoryview, alignment: int) -> bool:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % alignment == 0
+
+
+def loads(
+    data: bytes | bytearray | memoryview | mmap.mmap,
+    *,
+    map_location: MapLocation = None,
+    trusted: bool = False,
+    allow: AllowSpec = (),
+    copy: bool | None = None,
+) -> Any:
+    """Load a snapshot from a bytes-like object or an ``mmap``.
+
+    When it copies and when it is zero-copy:
+
+    * ``data`` read-only (``bytes``, a read-only ``mmap`` or ``memoryview``): the snapshot is copied once
+      into private memory and the tensors are views into that copy. No tensor ever aliases immutable memory.
+    * ``data`` writable and 16-byte aligned (``bytearray``, a writable ``mmap``): zero-copy. The tensors are
+      views into ``data`` and keep it alive; writing to a tensor writes into ``data``, and every load of the
+      same buffer sees it. Pass ``copy=True`` for private tensors.
+
+    Args:
+        data: one complete snapshot, as :func:`dumps` returns it.
+        map_location, trusted, allow: as for :func:`load`.
+        copy: True always copies; False never does (and raises if ``data`` is read-only); None (default)
+            copies only when zero-copy is impossible.
+
+    Raises:
+        SnapshotError, RestrictedLoadError, DeviceError: as for :func:`load`.
+        ArgumentError: ``data`` is not a contiguous buffer, or ``copy=False`` with read-only data.
+    """
+    try:
+        view = memoryview(data)
+    except TypeError as e:
+        raise ArgumentError(f"loads() needs a bytes-like object or an mmap, not {type(data).__name__}") from e
+    if not view.c_contiguous:
+        raise ArgumentError("loads() needs a contiguous buffer")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    zero_copy_possible = not view.readonly and view.nbytes > 0 and _is_aligned(view, 16)
+    if copy is False and not zero_copy_possible:
+        raise ArgumentError(
+            "loads(copy=False) needs a writable, 16-byte-aligned buffer; "
+            + ("data is read-only" if view.readonly else "data is not aligned")
+            + " (pass copy=None to copy it)"
+        )
+    if copy or not zero_copy_possible:
+        if view.nbytes < format.FIXED_NBYTES:
+            format.decode_fixed(view, view.nbytes)  # raises the truncation error
+        memory = arena.anonymous(view.nbytes)
+        memory[:] = view
+        view = memoryview(memory)
+    return _load_view(view, map_location=map_location, trusted=trusted, allow=allow)
+
+
+def scan(f: PathLike | IO[bytes] | bytes | bytearray | memoryview) -> tuple[tuple[str, str], ...]:
+    """List the globals a snapshot's stream references, without unpickling it.
+
+    Args:
+        f: a snapshot path, binary file object, or bytes-like object.
+
+    Returns:
+        ``(module, qualname)`` pairs in order of first appearance; ``format_global`` of each is the string
+        ``allow=`` takes.
+
+    Raises:
+        SnapshotError: the snapshot is malformed.
+    """
+    if isinstance(f, (str, os.PathLike)):
+        memory = _open_path(f, copy=False)
+        view = memoryview(memory)
+    elif isinstance(f, (bytes, bytearray, memoryview, mmap.mmap)):
+        view = memoryview(f).cast("B")
+    elif hasattr(f, "read"):
+        view = memoryview(_open_file(f, copy=False))  # type: ignore[arg-type]
+    else:
+        raise ArgumentError(f"scan() needs a path, a file object or bytes, not {type(f).__name__}")
+    header = _header_of(view)
+    return scan_stream(view[header.stream_offset : header.stream_offset + header.stream_nbytes])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Snapshot: a snapshot behind a file descriptor
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Snapshot:
+    """A snapshot held by a file descriptor: a sealed memfd from :func:`freeze`, a file from
+    :meth:`open`, or an fd received from another process (:meth:`from_fd`).
+
+    Each :meth:`load` maps the fd ``MAP_PRIVATE`` and builds a new, independent object graph whose storages
+    are views into that mapping; any number of loads, in any number of processes, share the physical pages.
+    :meth:`close` releases the fd only: objects already loaded keep their mappings and stay valid.
+
+    Use :func:`freeze`, :meth:`open` or :meth:`from_fd` to create one.
+    """
+
+    __slots__ = ("_fd", "_trusted", "header", "nbytes")
+    header: format.Header
+    """The validated header."""
+    nbytes: int
+    """Size of the snapshot in bytes."""
+    _fd: int
+    _trusted: bool
+
+    def __init__(self) -> None:
+        raise TypeError("use zerocopy_pickle.freeze(), Snapshot.open() or Snapshot.from_fd()")
+
+    @classmethod
+    def _adopt(cls, fd: int, *, trusted: bool) -> Snapshot:
+        """Take ownership of ``fd`` (closed on failure by the caller) after validating its header."""
+        self = object.__new__(cls)
+        size = arena.regular_file_size(fd)
+        if size is None:
+            raise SnapshotError("the fd is not a regular file or memfd: a snapshot must be mappable")
+        if size < format.FIXED_NBYTES:
+            format.decode_fixed(b"", size)
+        fixed = os.pread(fd, format.FIXED_NBYTES, 0)
+        header_nbytes, _, _ = format.decode_fixed(fixed, size)
+        blob = os.pread(fd, header_nbytes, format.FIXED_NBYTES)
+        self.header = format.decode_header(fixed, blob, size)
+        self.nbytes = size
+        self._fd = fd
+        self._trusted = trusted
+        return self
+
+    @classmethod
+    def open(cls, path: PathLike) -> Snapshot:
+        """Open a snapshot file. Its loads default to restricted (``trusted=False``).
+
+        Raises:
+            SnapshotError: the file is not a valid snapshot.
+            OSError: the file cannot be opened.
+        """
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return cls._adopt(fd, trusted=False)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def from_fd(cls, fd: int, *, trusted: bool = False) -> Snapshot:
+        """Wrap a snapshot behind ``fd`` (a memfd or file received from elsewhere).
+
+        The fd is duplicated: the caller keeps, and must close, its own.
+
+        Args:
+            fd: an open file descriptor of a snapshot.
+            trusted: the default ``trusted`` of this snapshot's loads (say True only when you know who wrote
+                it, for example an fd from your own model cache).
+        """
+        own = os.dup(fd)
+        try:
+            return cls._adopt(own, trusted=trusted)
+        except BaseException:
+            os.close(own)
+            raise
+
+    @property
+    def fd(self) -> int:
+        """The file descriptor (owned by this object; duplicate it to keep it past :meth:`close`)."""
+        if self._fd < 0:
+            raise ZeroCopyPickleError("the snapshot is closed")
+        return self._fd
+
+    def fileno(self) -> int:
+        """Same as :attr:`fd`, so a Snapshot can be passed where a file-like fd owner is expected."""
+        return self.fd
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    @property
+    def sealed(self) -> bool:
+        """Whether the fd is a memfd sealed against any change (as :func:`freeze` makes them)."""
+        return arena.is_sealed(self.fd)
+
+    def load(
+        self,
+        *,
+        map_location: MapLocation = None,
+        trusted: bool | None = None,
+        allow: AllowSpec = (),
+    ) -> Any:
+        """Load a new, independent copy-on-write object graph from this snapshot.
+
+        Args:
+            map_location, allow: as for :func:`load`.
+            trusted: None uses this snapshot's default (True for :func:`freeze`, else False).
+
+        Raises:
+            SnapshotError: the file changed size since it was opened, or is malformed.
+            RestrictedLoadError, DeviceError: as for :func:`load`.
+        """
+        fd = self.fd
+        size = arena.regular_file_size(fd)
+        if size != self.nbytes:
+            raise SnapshotError(
+                f"the snapshot file changed size since it was opened ({self.nbytes} -> {size} bytes); "
+                f"somebody rewrote it in place - reopen it"
+            )
+        memory = arena.map_private(fd, self.nbytes)
+        return _load_view(
+            memoryview(memory),
+            map_location=map_location,
+            trusted=self._trusted if trusted is None else trusted,
+            allow=allow,
+        )
+
+    def close(self) -> None:
+        """Close the fd. Objects already loaded stay valid (they hold their own mappings)."""
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", -1) >= 0:
+            self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"fd={self._fd}"
+        return f"<Snapshot {state} nbytes={self.nbytes} buffers={len(self.header.buffers)}>"
