@@ -50,7 +50,7 @@ def _inspect(args: argparse.Namespace) -> int:
             "stream": {"offset": header.stream_offset, "nbytes": header.stream_nbytes},
             "data": {"offset": header.data_offset, "nbytes": header.data_nbytes},
             "producer": header.producer,
-            "plugins": list(header.plugins),
+            "plugins": [p._asdict() for p in header.plugins],
             "buffers": [entry._asdict() for entry in header.buffers],
             "nbytes_by_dtype": dict(by_dtype),
             "nbytes_by_location": dict(by_location),
@@ -67,7 +67,7 @@ def _inspect(args: argparse.Namespace) -> int:
         f"{_human(header.stream_nbytes)}",
         f"  data       [{header.data_offset}, {header.total_nbytes})  {_human(header.data_nbytes)} in "
         f"{len(header.buffers)} buffers",
-        "  plugins:   " + (", ".join(header.plugins) or "none"),
+        "  plugins:   " + (", ".join(f"{p.name} (from {p.package})" for p in header.plugins) or "none"),
         "  by dtype:  " + ", ".join(f"{d} {_human(n)}" for d, n in by_dtype.most_common()),
         "  by device: " + ", ".join(f"{d} {_human(n)}" for d, n in by_location.most_common()),
         f"  globals the stream needs ({len(globals_needed)}):",
@@ -122,17 +122,18 @@ def _convert(args: argparse.Namespace) -> int:
             raise ZeroCopyPickleError(
                 "converting .safetensors needs the safetensors package: pip install 'zerocopy-pickle[safetensors]'"
             ) from e
-        obj: Any = load_file(args.input)
+        try:
+            obj: Any = load_file(args.input)
+        except Exception as e:  # safetensors raises its own SafetensorError, among others
+            raise ZeroCopyPickleError(f"cannot read {args.input} as a safetensors file: {e}") from e
     else:
-        import pickle
-
         try:
             obj = _torch_load(args.input, weights_only=not args.trusted)
-        except pickle.UnpicklingError as e:
-            raise ZeroCopyPickleError(
-                f"{args.input} needs globals that torch's weights-only loader refuses ({e}). If you trust the "
-                f"file, convert it with --trusted"
-            ) from e
+        except Exception as e:  # torch.load raises UnpicklingError, RuntimeError, EOFError, ...
+            hint = ""
+            if "Weights only load failed" in str(e):
+                hint = " If you trust the file, convert it with --trusted (full pickle)."
+            raise ZeroCopyPickleError(f"cannot read {args.input} as a torch.save file: {e}{hint}") from e
     dump(obj, args.output, fsync=args.fsync)
     with Snapshot.open(args.output) as snap:
         print(f"{args.input} ({kind}) -> {args.output}: {_human(snap.nbytes)}, {len(snap.header.buffers)} storages")

@@ -105,8 +105,11 @@ def default_restore(storage: torch.UntypedStorage, location: str) -> torch.Untyp
     device = _parse(location, None)
     if device.type == "cpu":
         return storage
+    if device.type == "meta":
+        return torch.UntypedStorage(storage.nbytes(), device="meta")
     _check_available(device, location, None)
-    moved: torch.UntypedStorage = storage.to(device=device)
+    moved: torch.UntypedStorage = torch.empty(storage.nbytes(), dtype=torch.uint8, device=device).untyped_storage()
+    moved.copy_(storage)
     return moved
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "BufferSpec",
     "Header",
     "Layout",
+    "PluginRef",
     "decode_fixed",
     "decode_header",
     "encode",
@@ -85,6 +86,13 @@ class BufferSpec:
     readonly: bool = False
 
 
+class PluginRef(NamedTuple):
+    """A plugin a snapshot's stream needs: its entry-point name and the distribution that provides it."""
+
+    name: str
+    package: str
+
+
 class BufferEntry(NamedTuple):
     """One row of the buffer table: where a buffer lies (relative to the data region) and what it holds.
 
@@ -112,7 +120,7 @@ class Header:
     data_offset: int
     data_nbytes: int
     buffers: tuple[BufferEntry, ...]
-    plugins: tuple[str, ...]
+    plugins: tuple[PluginRef, ...]
     producer: dict[str, str]
 
     def buffer_range(self, index: int) -> tuple[int, int]:
@@ -137,7 +145,7 @@ def encode(
     stream_nbytes: int,
     buffers: Sequence[BufferSpec],
     *,
-    plugins: Sequence[str] = (),
+    plugins: Sequence[PluginRef] = (),
     producer: dict[str, str] | None = None,
 ) -> Layout:
     """Lay out a snapshot and encode its fixed header and JSON header.
@@ -145,7 +153,7 @@ def encode(
     Args:
         stream_nbytes: length of the pickle stream.
         buffers: the out-of-band buffers, in the order the stream consumes them.
-        plugins: names of plugins that must be imported before the stream is unpickled.
+        plugins: the plugins whose load hooks must run before the stream is unpickled.
         producer: versions of the software that wrote the snapshot (informational).
 
     Returns:
@@ -165,7 +173,7 @@ def encode(
         "stream_nbytes": stream_nbytes,
         "data_nbytes": cursor,
         "buffers": table,
-        "plugins": list(plugins),
+        "plugins": [{"name": p.name, "package": p.package} for p in plugins],
         "producer": dict(producer or {}),
     }
     blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode("utf-8")
@@ -282,8 +290,15 @@ def decode_header(fixed: bytes | memoryview, blob: bytes | memoryview, actual_nb
         )
     buffers = _buffers(obj["buffers"], data_nbytes)
     plugins = obj["plugins"]
-    if not isinstance(plugins, list) or not all(isinstance(p, str) and 0 < len(p) <= 200 for p in plugins):
-        raise SnapshotError(f"header 'plugins' must be a list of names, found {plugins!r:.200}")
+    if not isinstance(plugins, list) or not all(
+        isinstance(p, dict)
+        and p.keys() == {"name", "package"}
+        and all(isinstance(v, str) and 0 < len(v) <= 200 for v in p.values())
+        for p in plugins
+    ):
+        raise SnapshotError(
+            f"header 'plugins' must be a list of {{'name': ..., 'package': ...}} objects, found {plugins!r:.200}"
+        )
     producer = obj["producer"]
     if not isinstance(producer, dict) or not all(
         isinstance(v, str) and len(k) <= _MAX_NAME and len(v) <= 200 for k, v in producer.items()
@@ -298,7 +313,7 @@ def decode_header(fixed: bytes | memoryview, blob: bytes | memoryview, actual_nb
         data_offset=data_offset,
         data_nbytes=data_nbytes,
         buffers=buffers,
-        plugins=tuple(plugins),
+        plugins=tuple(PluginRef(p["name"], p["package"]) for p in plugins),
         producer=dict(producer),
     )
 

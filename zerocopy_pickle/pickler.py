@@ -43,11 +43,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def storage_bytes(storage: torch.UntypedStorage) -> memoryview:
-    """A writable byte view of a CPU storage's memory (no copy). The storage must outlive the view."""
+    """A writable byte view of a CPU storage's memory, without a copy; the view keeps the storage alive."""
     nbytes = storage.nbytes()
     if nbytes == 0:
         return memoryview(bytearray())
     array = (ctypes.c_ubyte * nbytes).from_address(storage.data_ptr())
+    array._storage = storage  # type: ignore[attr-defined]  # the memory's owner lives as long as the view
     return memoryview(array).cast("B")
 
 
@@ -60,10 +61,8 @@ class _DumpState:
     specs: list[BufferSpec] = field(default_factory=list)
     # id(PickleBuffer) -> (the buffer, its spec), until the pickler hands the buffer to the callback.
     pending: dict[int, tuple[pickle.PickleBuffer, BufferSpec]] = field(default_factory=dict)
-    # id(UntypedStorage) -> (storage, dtype name) seen through a TypedStorage, for the header's dtype column.
+    # id(UntypedStorage) -> (storage, dtype name) seen through a tensor, for the header's dtype column.
     dtypes: dict[int, tuple[torch.UntypedStorage, str]] = field(default_factory=dict)
-    # Storages whose memory the buffers point into (host copies of device storages among them).
-    keepalive: list[torch.UntypedStorage] = field(default_factory=list)
 
 
 def _reduce_untyped_storage(state: _DumpState, storage: torch.UntypedStorage) -> tuple[Any, ...]:
@@ -76,7 +75,6 @@ def _reduce_untyped_storage(state: _DumpState, storage: torch.UntypedStorage) ->
     hint = state.dtypes.get(id(storage))
     spec = BufferSpec(nbytes=host.nbytes(), location=location, dtype=hint[1] if hint else None)
     state.pending[id(buffer)] = (buffer, spec)
-    state.keepalive.append(host)
     return rebuild.rebuild_storage, (buffer, location)
 
 
@@ -170,7 +168,8 @@ class ZeroCopyPickler(pickle.Pickler):
         fix_imports: as for ``pickle.Pickler``.
 
     After :meth:`dump`, :attr:`buffer_specs` describes the out-of-band buffers in the order the stream
-    consumes them; the memory of those buffers stays valid while the pickler is alive.
+    consumes them. Each ``PickleBuffer`` is a view of a storage's memory (a host copy for device storages)
+    and keeps that storage alive.
 
     Raises:
         ArgumentError: a protocol below 5.

@@ -18,6 +18,7 @@ import mmap
 import os
 import pickle
 import platform
+import stat
 from typing import IO, Any, BinaryIO, Union
 
 import torch
@@ -43,7 +44,7 @@ _ZEROS = bytes(format.PAGE)  # padding source: every gap in a snapshot is shorte
 class _Prepared:
     """A pickled object graph, laid out and ready to write: the pieces reference the storages' memory."""
 
-    __slots__ = ("_keepalive", "layout", "pieces")
+    __slots__ = ("layout", "pieces")
 
     def __init__(self, obj: object) -> None:
         stream = io.BytesIO()
@@ -64,7 +65,6 @@ class _Prepared:
         except (pickle.PicklingError, TypeError, AttributeError, ValueError, BufferError) as e:
             raise DumpError(f"cannot pickle {type(obj).__name__}: {e}") from e
         specs = pickler.buffer_specs
-        self._keepalive = pickler  # the buffers point into storages the pickler keeps alive
         body = stream.getbuffer()
         self.layout = format.encode(
             body.nbytes,
@@ -233,11 +233,10 @@ def _read_copy(f: BinaryIO) -> mmap.mmap:
 
 
 def _open_path(path: PathLike, copy: bool) -> mmap.mmap:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except IsADirectoryError as e:
-        raise SnapshotError(f"{os.fspath(path)!r} is a directory, not a snapshot") from e
-    try:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise SnapshotError(f"{os.fspath(path)!r} is a directory, not a snapshot")
         size = arena.regular_file_size(fd)
         if size is None or copy:
             with os.fdopen(os.dup(fd), "rb", buffering=0) as raw:

@@ -1,0 +1,103 @@
+"""The public surface: names, types, docs, packaging, and round trips through a fresh interpreter."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import pickle
+from pathlib import Path
+
+import zerocopy_pickle as zp
+
+from .conftest import run_python
+
+PUBLIC = {
+    "dump", "load", "dumps", "loads", "freeze", "scan", "Snapshot", "ZeroCopyPickler", "ZeroCopyUnpickler",
+    "ZeroCopyPickleError", "SnapshotError", "DumpError", "RestrictedLoadError", "DeviceError", "ArgumentError",
+    "__version__",
+}  # fmt: skip
+
+
+def test_all_is_exactly_the_public_api() -> None:
+    assert set(zp.__all__) == PUBLIC
+    for name in zp.__all__:
+        assert hasattr(zp, name), name
+
+
+def test_public_callables_are_documented_and_typed() -> None:
+    for name in PUBLIC - {"__version__"}:
+        obj = getattr(zp, name)
+        assert inspect.getdoc(obj), name
+        if inspect.isfunction(obj):
+            hints = inspect.get_annotations(obj)
+            assert "return" in hints, name
+    for method in ("open", "from_fd", "load", "close"):
+        assert inspect.getdoc(getattr(zp.Snapshot, method)), method
+
+
+def test_error_hierarchy() -> None:
+    assert issubclass(zp.SnapshotError, (zp.ZeroCopyPickleError, ValueError))
+    assert issubclass(zp.SnapshotError, ValueError)
+    assert issubclass(zp.RestrictedLoadError, pickle.UnpicklingError)
+    assert issubclass(zp.DumpError, pickle.PicklingError)
+    assert issubclass(zp.DeviceError, RuntimeError)
+    assert issubclass(zp.ArgumentError, ValueError)
+    for error in (zp.SnapshotError, zp.RestrictedLoadError, zp.DumpError, zp.DeviceError, zp.ArgumentError):
+        assert issubclass(error, zp.ZeroCopyPickleError)
+
+
+def test_version_matches_distribution_metadata() -> None:
+    assert importlib.metadata.version("zerocopy-pickle") == zp.__version__
+
+
+def test_py_typed_is_shipped() -> None:
+    assert (Path(zp.__file__).parent / "py.typed").is_file()
+    files = importlib.metadata.files("zerocopy-pickle") or []
+    assert any(str(f).endswith("py.typed") for f in files) or (Path(zp.__file__).parent / "py.typed").exists()
+
+
+def test_console_script_entry_point() -> None:
+    scripts = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="console_scripts")}
+    assert scripts.get("zerocopy-pickle") == "zerocopy_pickle.cli:main"
+
+
+def test_import_pulls_in_no_optional_dependency() -> None:
+    code = """
+    import sys
+    import zerocopy_pickle
+    heavy = [m for m in ("safetensors", "matplotlib", "dill", "cloudpickle", "transformers", "diffusers", "xxhash")
+             if m in sys.modules]
+    print(heavy)
+    """
+    assert run_python(code).stdout.strip() == "[]"
+
+
+def test_dump_in_one_interpreter_load_in_another(tmp_path: Path) -> None:
+    path = tmp_path / "cross.zcp"
+    run_python(
+        """
+        import sys, torch, zerocopy_pickle as zp
+        from tests.conftest import TiedNet
+        torch.manual_seed(0)
+        zp.dump({"model": TiedNet().eval(), "t": torch.arange(5)}, sys.argv[1])
+        """,
+        str(path),
+    )
+    out = (
+        run_python(
+            """
+        import sys, torch, zerocopy_pickle as zp
+        from tests.conftest import TiedNet, TIED_NET_ALLOW
+        obj = zp.load(sys.argv[1], allow=TIED_NET_ALLOW)
+        torch.manual_seed(0)
+        reference = TiedNet().eval()
+        tokens = torch.tensor([[1, 2, 3]])
+        model = obj["model"]
+        print(torch.equal(model(tokens), reference(tokens)), model.head.weight is model.embed.weight, obj["t"].tolist())
+        """,
+            str(path),
+        )
+        .stdout.strip()
+        .split(maxsplit=2)
+    )
+    assert out == ["True", "True", "[0, 1, 2, 3, 4]"]

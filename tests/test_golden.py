@@ -1,0 +1,79 @@
+"""Backward compatibility: the format-v1 golden snapshot, written once and checked in, still loads exactly."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import zerocopy_pickle as zp
+
+GOLDEN = Path(__file__).with_name("golden") / "v1.zcp"
+# The file must never be regenerated: a reader change that breaks it is a format break.
+GOLDEN_SHA256 = "293d9e7d063259e4107d2c3116226056c972bccbb03f855112716f021f4aaf9d"
+
+
+def golden_object() -> dict[str, Any]:
+    spec = importlib.util.spec_from_file_location("make_v1", GOLDEN.with_name("make_v1.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.golden_object()  # type: ignore[no-any-return]
+
+
+def equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        if a.is_meta:
+            return bool(b.is_meta and a.shape == b.shape and a.dtype == b.dtype)
+        return bool(
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+            and a.contiguous().reshape(-1).view(torch.uint8).tolist()
+            == b.contiguous().reshape(-1).view(torch.uint8).tolist()
+        )
+    return bool(a == b)
+
+
+def test_golden_file_is_unchanged() -> None:
+    assert hashlib.sha256(GOLDEN.read_bytes()).hexdigest() == GOLDEN_SHA256
+
+
+def test_golden_v1_loads() -> None:
+    loaded = zp.load(GOLDEN, allow=[torch.nn.Linear])
+    expected = golden_object()
+    assert loaded.keys() == expected.keys()
+    for key in ("float32", "view", "float16", "bfloat16", "int64", "uint8", "uint16", "bool", "complex64",
+                "float8_e4m3fn", "scalar", "empty", "meta", "large"):  # fmt: skip
+        assert equal(loaded[key], expected[key]), key
+    assert loaded["view"].data_ptr() == loaded["float32"].data_ptr() + 6 * 4
+    assert isinstance(loaded["parameter"], torch.nn.Parameter) and loaded["parameter"].requires_grad
+    assert loaded["tied"][0] is loaded["tied"][1] is loaded["parameter"]
+    assert not loaded["frozen"].requires_grad
+    assert torch.equal(loaded["linear"].weight, expected["linear"].weight)
+    assert torch.equal(loaded["linear"](torch.ones(1, 3)), expected["linear"](torch.ones(1, 3)))
+    assert loaded["containers"] == expected["containers"]
+
+
+def test_golden_v1_header() -> None:
+    with zp.Snapshot.open(GOLDEN) as snap:
+        header = snap.header
+    assert header.version == 1
+    assert header.producer["zerocopy_pickle"] == "0.1.0.dev0"
+    assert header.plugins == ()
+    (large,) = [entry for entry in header.buffers if entry.nbytes == 160_000]
+    assert large.dtype == "int32" and large.location == "cpu"
+    assert large.offset % 4096 == 0
+    assert all(entry.offset % 64 == 0 for entry in header.buffers)
+
+
+def test_golden_v1_loads_in_every_way() -> None:
+    data = GOLDEN.read_bytes()
+    assert torch.equal(zp.loads(data, allow=[torch.nn.Linear])["large"], torch.arange(40_000, dtype=torch.int32))
+    with open(GOLDEN, "rb") as f:
+        assert zp.load(f, trusted=True)["scalar"] == 7.25
+    with zp.Snapshot.open(GOLDEN) as snap:
+        assert snap.load(trusted=True)["int64"].tolist() == [-3, -2, -1, 0, 1, 2]
