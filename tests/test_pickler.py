@@ -91,3 +91,13 @@ def test_device_storages_are_reduced_with_their_location() -> None:
     pickler = zp.ZeroCopyPickler(out, buffer_callback=lambda b: False)
     pickler.dump(meta)
     assert pickler.buffer_specs == []  # meta storages hold no bytes
+
+
+class RefusesRuntime:
+    def __reduce__(self) -> tuple[object, ...]:
+        raise RuntimeError("Cowardly refusing to serialize this")
+
+
+def test_runtime_errors_from_reducers_are_dump_errors() -> None:
+    with pytest.raises(zp.DumpError, match="Cowardly refusing"):
+        zp.dumps({"x": RefusesRuntime()})

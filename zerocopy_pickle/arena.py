@@ -97,14 +97,22 @@ def atomic_output(path: str | os.PathLike[str], *, fsync: bool = False) -> Itera
     in place while someone maps it, and a failed or killed dump leaves the previous file untouched. Where
     ``O_TMPFILE`` is unsupported, a named temporary file is used and removed on any exception.
 
+    Like ``open(path, "wb")``, this writes through a symbolic link to its target, and a file that is
+    replaced keeps its permission bits (a private 0600 snapshot stays private).
+
     Args:
         path: the destination.
         fsync: flush the data (and the directory entry) to stable storage before returning.
     """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    base = os.path.basename(path)
-    tmp_name = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.zcp-tmp")
+    path = os.path.realpath(os.fspath(path))
+    directory, base = os.path.split(path)
+    # Keep the temporary name within NAME_MAX (255 bytes) whatever the length of the target's name.
+    stem = os.fsdecode(os.fsencode(base)[:200])
+    tmp_name = os.path.join(directory, f".{stem}.{secrets.token_hex(6)}.zcp-tmp")
+    try:
+        mode: int | None = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = None
     fd = -1
     named = False
     try:
@@ -114,14 +122,18 @@ def atomic_output(path: str | os.PathLike[str], *, fsync: bool = False) -> Itera
         named = True
     try:
         yield fd
+        if mode is not None:
+            os.fchmod(fd, mode)
         if fsync:
             os.fsync(fd)
         if not named:
             try:
                 _link_unnamed(fd, tmp_name, directory)
-            except OSError:
-                # No /proc: copy the unnamed file into a named one instead (rare; costs a copy).
-                _copy_fd_to_new_file(fd, tmp_name)
+            except OSError as e:
+                if e.errno not in _NO_PROC_LINK:
+                    raise
+                # /proc is missing or refuses the link: copy the unnamed file into a named one (rare; a copy).
+                _copy_fd_to_new_file(fd, tmp_name, mode)
             named = True
         os.replace(tmp_name, path)
         named = False
@@ -138,6 +150,10 @@ def atomic_output(path: str | os.PathLike[str], *, fsync: bool = False) -> Itera
                 os.unlink(tmp_name)
 
 
+# Errors of linkat through /proc/self/fd that mean "this route is unavailable here", not "the target is bad".
+_NO_PROC_LINK = frozenset({errno.ENOENT, errno.EXDEV, errno.EPERM, errno.EACCES, errno.EOPNOTSUPP, errno.ENOTSUP})
+
+
 def _link_unnamed(fd: int, name: str, directory: str) -> None:
     # linkat(AT_SYMLINK_FOLLOW) on the /proc magic link gives an O_TMPFILE inode a name without privileges.
     # os.link only calls linkat (rather than link, which does not follow the magic link) when a dir fd is
@@ -149,10 +165,12 @@ def _link_unnamed(fd: int, name: str, directory: str) -> None:
         os.close(dfd)
 
 
-def _copy_fd_to_new_file(src_fd: int, name: str) -> None:
+def _copy_fd_to_new_file(src_fd: int, name: str, mode: int | None) -> None:
     size = os.fstat(src_fd).st_size
     out = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o666)
     try:
+        if mode is not None:
+            os.fchmod(out, mode)
         offset = 0
         while offset < size:
             sent = os.copy_file_range(src_fd, out, size - offset, offset, offset)

@@ -62,7 +62,8 @@ class _Prepared:
                 f"cannot pickle {type(obj).__name__}: the object graph is nested too deeply for pickle "
                 f"({e}); raise sys.setrecursionlimit or flatten the structure"
             ) from e
-        except (pickle.PicklingError, TypeError, AttributeError, ValueError, BufferError) as e:
+        except (pickle.PicklingError, TypeError, AttributeError, ValueError, BufferError, RuntimeError) as e:
+            # RuntimeError: torch's reducers refuse some objects that way.
             raise DumpError(f"cannot pickle {type(obj).__name__}: {e}") from e
         specs = pickler.buffer_specs
         body = stream.getbuffer()
@@ -105,12 +106,12 @@ def dump(obj: object, f: PathLike | IO[bytes], *, fsync: bool = False) -> None:
         DumpError: part of the graph cannot be pickled; nothing was written.
         OSError: writing failed (a full disk, say); a path keeps its previous contents.
     """
-    prepared = _Prepared(obj)
     if isinstance(f, (str, os.PathLike)):
+        prepared = _Prepared(obj)
         with arena.atomic_output(f, fsync=fsync) as fd:
             arena.write_pieces(fd, prepared.pieces)
     elif hasattr(f, "write"):
-        arena.write_pieces_to_file(f, prepared.pieces)  # type: ignore[arg-type]
+        arena.write_pieces_to_file(f, _Prepared(obj).pieces)  # type: ignore[arg-type]
     else:
         raise ArgumentError(f"dump() needs a path or a binary file object, not {type(f).__name__}")
 
