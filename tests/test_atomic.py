@@ -26,6 +26,7 @@ import torch
 
 import zerocopy_pickle as zp
 from tests.conftest import REPO, run_python
+from zerocopy_pickle import arena
 
 MiB = 1 << 20
 
@@ -270,6 +271,7 @@ def test_failed_rename_leaves_no_temporary_file(
         raise OSError(errno.EACCES, "rename refused (simulated)")
 
     monkeypatch.setattr(os, "replace", failing_replace)
+    monkeypatch.setattr(arena, "_exchange", failing_replace)  # the route taken when the target exists
     with pytest.raises(OSError, match="rename refused"):
         zp.dump(medium_state(), path)
     assert len(seen) == 1
@@ -612,3 +614,30 @@ def test_link_failure_other_than_a_missing_proc_is_reported(tmp_path: Path, monk
     monkeypatch.undo()
     assert digest(path) == before
     assert listing(tmp_path) == ["x.zcp"]
+
+
+def test_replacing_a_snapshot_swaps_names_atomically(
+    old_snapshot: tuple[Path, dict[str, torch.Tensor], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over an existing file the dump exchanges the two names (no rename-over, which makes ext4 flush), then
+    unlinks the old one; where the exchange is unavailable it falls back to a plain rename."""
+    path = old_snapshot[0]
+    before = listing(path.parent)
+    old_inode = path.stat().st_ino
+    exchanged: list[bool] = []
+    real_exchange = arena._exchange
+
+    def spy(new: str, old: str) -> bool:
+        exchanged.append(real_exchange(new, old))
+        return exchanged[-1]
+
+    monkeypatch.setattr(arena, "_exchange", spy)
+    zp.dump(small_state(1), path)
+    assert exchanged == [True]
+    assert path.stat().st_ino != old_inode
+    assert listing(path.parent) == before
+    assert_state_equal(zp.load(path), small_state(1))
+    monkeypatch.setattr(arena, "_exchange", lambda new, old: False)
+    zp.dump(small_state(2), path)
+    assert listing(path.parent) == before
+    assert_state_equal(zp.load(path), small_state(2))

@@ -96,7 +96,7 @@ def check_targets(map_location: MapLocation, locations: Iterable[str]) -> None:
     """
     for location in set(locations):
         target = static_target(map_location, location)
-        if target is not None:
+        if target is not None and not is_cpu(target):
             _check_available(_parse(target, map_location), location, map_location)
 
 

@@ -108,8 +108,7 @@ class BufferEntry(NamedTuple):
     readonly: bool = False
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
     """A validated snapshot header. All offsets are absolute positions in the snapshot unless noted."""
 
     version: int
@@ -261,7 +260,7 @@ def decode_header(fixed: bytes | memoryview, blob: bytes | memoryview, actual_nb
     except UnicodeDecodeError as e:
         raise SnapshotError(f"header at offset {FIXED_NBYTES} is not UTF-8: {e}") from e
     try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicates)
+        obj = _DECODER.decode(text)
     except ValueError as e:  # json.JSONDecodeError, or a duplicate key from the hook
         raise SnapshotError(f"header at offset {FIXED_NBYTES} is not valid JSON: {e}") from e
     if not isinstance(obj, dict):
@@ -327,6 +326,9 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates)
+
+
 def _int(value: object, what: str) -> int:
     if type(value) is not int or not 0 <= value <= _MAX_INT:
         raise SnapshotError(f"header field {what} must be an integer in [0, 2**63), found {value!r:.80}")
@@ -361,8 +363,13 @@ def _buffers(table: object, data_nbytes: int) -> tuple[BufferEntry, ...]:
         if row[3] is not None:
             dtypes.add(row[3])
         previous_end = row[0] + row[1]
-        out.append(BufferEntry(*row))
+        out.append(_new_entry(BufferEntry, row))
     return tuple(out)
+
+
+# tuple.__new__ builds the row's NamedTuple from the already-validated list without NamedTuple.__new__'s
+# Python-level argument handling (thousands of rows per header).
+_new_entry = tuple.__new__
 
 
 def _valid_location(value: object) -> bool:

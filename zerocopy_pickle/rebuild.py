@@ -59,6 +59,9 @@ def rebuild_storage(buffer: Any, location: str) -> torch.UntypedStorage:
     return device.default_restore(storage_from_buffer(buffer), location)
 
 
+_PROTOTYPES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
 def rebuild_tensor(
     storage: torch.UntypedStorage,
     dtype: torch.dtype,
@@ -68,7 +71,14 @@ def rebuild_tensor(
     requires_grad: bool,
 ) -> torch.Tensor:
     """A dense tensor as a view of ``storage`` (``Tensor.set_`` checks the view fits in it)."""
-    tensor = torch.empty((0,), dtype=dtype, device=storage.device)
+    device = storage.device
+    try:
+        prototype = _PROTOTYPES[dtype, device]
+    except KeyError:
+        prototype = _PROTOTYPES[dtype, device] = torch.empty(0, dtype=dtype, device=device)
+    # prototype.new(): an empty tensor of the prototype's dtype and device (whatever the default device is),
+    # cheaper to make than torch.empty(); the hot path of a load with thousands of tensors.
+    tensor = prototype.new()
     tensor.set_(storage, storage_offset, size, stride)
     if requires_grad:
         tensor.requires_grad_(True)
@@ -99,7 +109,11 @@ class StorageBuilder:
         self._stays_on_cpu: dict[str, bool] = {}  # saved location -> whether its target is the CPU
 
     def __call__(self, buffer: Any, location: str) -> torch.UntypedStorage:
-        storage = storage_from_buffer(buffer)
+        if type(buffer) is memoryview and buffer.format == "B" and buffer.nbytes and not buffer.readonly:
+            # The load's own slices of its mapping: skip storage_from_buffer's checks (hot path).
+            storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+        else:
+            storage = storage_from_buffer(buffer)
         stays = self._stays_on_cpu.get(location)
         if stays is None:
             target = device.static_target(self._map_location, location)

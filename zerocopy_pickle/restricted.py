@@ -116,12 +116,11 @@ class AllowList:
         ArgumentError: an entry is not one of the accepted forms.
     """
 
-    __slots__ = ("_allowed",)
+    __slots__ = ("_allowed", "_safe")
 
     def __init__(self, allow: AllowSpec = (), extra: Mapping[tuple[str, str], object | None] | None = None):
-        allowed: dict[tuple[str, str], object | None] = dict(safe_globals())
-        if extra:
-            allowed.update(extra)
+        self._safe = safe_globals()
+        allowed: dict[tuple[str, str], object | None] = dict(extra) if extra else {}
         if isinstance(allow, (str, bytes)) or not isinstance(allow, Iterable):
             raise ArgumentError(f"allow= must be a list of entries, not {type(allow).__name__}: wrap it in [...]")
         for item in allow:
@@ -141,7 +140,7 @@ class AllowList:
         self._allowed = allowed
 
     def __contains__(self, pair: object) -> bool:
-        return pair in self._allowed
+        return pair in self._safe or pair in self._allowed
 
     def find_class(self, module: str, qualname: str) -> object:
         """Resolve ``module:qualname`` if this list allows exactly that pair.
@@ -151,6 +150,10 @@ class AllowList:
                 needs; see :func:`scan_stream`).
         """
         pair = (module, qualname)
+        try:
+            return self._safe[pair]
+        except KeyError:
+            pass
         try:
             obj = self._allowed[pair]
         except KeyError:

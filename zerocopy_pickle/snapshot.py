@@ -160,7 +160,8 @@ def freeze(obj: object, *, name: str = "zerocopy_pickle") -> Snapshot:
 
 
 def _header_of(view: memoryview) -> format.Header:
-    header_nbytes, _, _ = format.decode_fixed(view[: format.FIXED_NBYTES], view.nbytes)
+    # decode_header validates the fixed header (this length included) before it looks at the blob.
+    header_nbytes = int.from_bytes(view[12:16], "little")
     blob = view[format.FIXED_NBYTES : format.FIXED_NBYTES + header_nbytes]
     return format.decode_header(view[: format.FIXED_NBYTES], blob, view.nbytes)
 
@@ -236,9 +237,10 @@ def _read_copy(f: BinaryIO) -> mmap.mmap:
 def _open_path(path: PathLike, copy: bool) -> mmap.mmap:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
             raise SnapshotError(f"{os.fspath(path)!r} is a directory, not a snapshot")
-        size = arena.regular_file_size(fd)
+        size = st.st_size if stat.S_ISREG(st.st_mode) else None
         if size is None or copy:
             with os.fdopen(os.dup(fd), "rb", buffering=0) as raw:
                 memory = _read_copy(raw)
