@@ -20,17 +20,24 @@ from .errors import (
     ArgumentError,
     DeviceError,
     DumpError,
+    PluginError,
     RestrictedLoadError,
     SnapshotError,
     ZeroCopyPickleError,
 )
 from .pickler import ZeroCopyPickler, ZeroCopyUnpickler
-from .snapshot import Snapshot, dump, dumps, freeze, load, loads, scan
+from .registry import PluginWarning, Reducer, Registrar, reducers, register_reducer, unregister_reducer
+from .snapshot import BACKENDS, Snapshot, dump, dumps, freeze, load, loads, scan
 
 __all__ = [
+    "BACKENDS",
     "ArgumentError",
     "DeviceError",
     "DumpError",
+    "PluginError",
+    "PluginWarning",
+    "Reducer",
+    "Registrar",
     "RestrictedLoadError",
     "Snapshot",
     "SnapshotError",
@@ -43,5 +50,8 @@ __all__ = [
     "freeze",
     "load",
     "loads",
+    "reducers",
+    "register_reducer",
     "scan",
+    "unregister_reducer",
 ]

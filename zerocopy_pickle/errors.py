@@ -14,6 +14,7 @@ __all__ = [
     "ArgumentError",
     "DeviceError",
     "DumpError",
+    "PluginError",
     "RestrictedLoadError",
     "SnapshotError",
     "ZeroCopyPickleError",
@@ -32,7 +33,16 @@ class SnapshotError(ZeroCopyPickleError, ValueError):
 
 
 class DumpError(ZeroCopyPickleError, pickle.PicklingError):
-    """An object graph could not be written as a snapshot."""
+    """An object graph could not be written as a snapshot.
+
+    Attributes:
+        path: where in the graph the object that cannot be pickled sits (``obj.layers[3]._forward_hooks[7]``),
+            when it could be located.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class RestrictedLoadError(ZeroCopyPickleError, pickle.UnpicklingError):
@@ -62,3 +72,17 @@ class DeviceError(ZeroCopyPickleError, RuntimeError):
 
 class ArgumentError(ZeroCopyPickleError, ValueError):
     """An argument has the wrong type or value (an ``allow=`` entry, a ``map_location``, an option)."""
+
+
+class PluginError(ZeroCopyPickleError, ImportError):
+    """A plugin a snapshot needs is missing, disabled or broken, or a plugin could not be registered.
+
+    Attributes:
+        plugin: the plugin's name.
+        package: the distribution that provides it, when known (what to install).
+    """
+
+    def __init__(self, message: str, *, plugin: str, package: str | None = None) -> None:
+        super().__init__(message)
+        self.plugin = plugin
+        self.package = package

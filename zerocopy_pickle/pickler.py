@@ -18,7 +18,10 @@ from __future__ import annotations
 import copyreg
 import ctypes
 import functools
+import importlib
+import io
 import pickle
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -28,10 +31,11 @@ import torch
 from . import rebuild
 from .device import MapLocation, static_target
 from .errors import ArgumentError, SnapshotError
-from .format import BufferSpec
+from .format import BufferSpec, PluginRef
+from .registry import Reducer, Registry, default_registry
 from .restricted import AllowList, AllowSpec
 
-__all__ = ["PROTOCOL", "ZeroCopyPickler", "ZeroCopyUnpickler"]
+__all__ = ["PROTOCOL", "ZeroCopyPickler", "ZeroCopyUnpickler", "dill_pickler"]
 
 PROTOCOL = 5
 """Out-of-band buffers need pickle protocol 5 (PEP 574)."""
@@ -63,6 +67,8 @@ class _DumpState:
     pending: dict[int, tuple[pickle.PickleBuffer, BufferSpec]] = field(default_factory=dict)
     # id(UntypedStorage) -> (storage, dtype name) seen through a tensor, for the header's dtype column.
     dtypes: dict[int, tuple[torch.UntypedStorage, str]] = field(default_factory=dict)
+    # Plugins whose reducers were applied, by name: the header's plugin list.
+    plugins: dict[str, PluginRef] = field(default_factory=dict)
 
 
 def _reduce_untyped_storage(state: _DumpState, storage: torch.UntypedStorage) -> tuple[Any, ...]:
@@ -157,8 +163,84 @@ def _storage_types() -> list[type]:
     return found
 
 
-class ZeroCopyPickler(pickle.Pickler):
-    """A ``pickle.Pickler`` (protocol 5) that sends every tensor storage out of band.
+class _Reductions:
+    """What every backend's pickler applies on top of pickle: tensors and storages out of band (through the
+    dispatch table), reducers from the registry, and functions and classes by value where they must be
+    (through ``reducer_override``). Mixed into the C pickler and into the dill pickler alike."""
+
+    _state: _DumpState
+    _registry: Registry
+    _reducer_cache: dict[type, Reducer | None]
+    _by_value: Any  # a cloudpickle.Pickler whose reducer_override decides by-value reductions, or None
+
+    def _setup(
+        self,
+        buffer_callback: Callable[[pickle.PickleBuffer], Any] | None,
+        by_value: bool,
+        registry: Registry | None,
+    ) -> Callable[[pickle.PickleBuffer], Any] | None:
+        self._state = _DumpState()
+        self._registry = registry if registry is not None else default_registry()
+        self._registry.ensure_discovered()
+        self._reducer_cache = {}
+        self._by_value = None
+        table: dict[Any, Any] = dict(copyreg.dispatch_table)
+        if by_value:
+            cloudpickle = _import_optional("cloudpickle", "by-value pickling of functions and classes")
+            # cloudpickle's own reducers for what by-value functions carry (code objects, cells, modules, ...).
+            table.update(cloudpickle.Pickler.dispatch_table.maps[0])
+            self._by_value = cloudpickle.Pickler(io.BytesIO(), protocol=PROTOCOL)
+        reduce_typed = functools.partial(_reduce_typed_storage, self._state)
+        table[torch.Tensor] = functools.partial(_reduce_tensor, self._state)
+        table[torch.UntypedStorage] = functools.partial(_reduce_untyped_storage, self._state)
+        table.update(dict.fromkeys(_storage_types(), reduce_typed))
+        self.dispatch_table = table
+        return None if buffer_callback is None else functools.partial(_on_buffer, self._state, buffer_callback)
+
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        if self._by_value is not None and (cls is types.FunctionType or issubclass(cls, type)):
+            # By reference when importable, else by value (lambdas, local and __main__ definitions).
+            return self._by_value.reducer_override(obj)
+        try:
+            reducer = self._reducer_cache[cls]
+        except KeyError:
+            reducer = self._reducer_cache[cls] = self._registry.lookup(cls)
+        if reducer is None:
+            return NotImplemented
+        reduced = reducer.reduce(obj)
+        if reduced is not NotImplemented and reducer.plugin:
+            self._state.plugins.setdefault(reducer.plugin, PluginRef(reducer.plugin, reducer.package or reducer.plugin))
+        return reduced
+
+    @property
+    def buffer_specs(self) -> list[BufferSpec]:
+        """Location, dtype and size of each out-of-band buffer, in stream order."""
+        return self._state.specs
+
+    @property
+    def plugins_used(self) -> list[PluginRef]:
+        """The plugins whose reducers this pickler used (what a snapshot's header records)."""
+        return list(self._state.plugins.values())
+
+
+def _import_optional(module: str, purpose: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ArgumentError(f"{purpose} needs {module}: pip install 'zerocopy-pickle[{module}]'") from e
+
+
+def _check_protocol(protocol: int | None) -> int:
+    if protocol is None or protocol < 0:
+        return pickle.HIGHEST_PROTOCOL
+    if protocol < PROTOCOL:
+        raise ArgumentError(f"zerocopy_pickle needs pickle protocol >= {PROTOCOL} (PEP 574), not {protocol}")
+    return protocol
+
+
+class ZeroCopyPickler(_Reductions, pickle.Pickler):  # type: ignore[misc]
+    """A ``pickle.Pickler`` (the C one, protocol 5) that sends every tensor storage out of band.
 
     Args:
         file: where the pickle stream goes (anything with ``write``).
@@ -166,13 +248,17 @@ class ZeroCopyPickler(pickle.Pickler):
         buffer_callback: called with each out-of-band ``PickleBuffer``, as for ``pickle.Pickler``; a false
             return keeps it out of band. With None, buffers are written in band (a self-contained stream).
         fix_imports: as for ``pickle.Pickler``.
+        by_value: pickle functions and classes that cannot be imported by reference (lambdas, local and
+            ``__main__`` definitions) by value, with cloudpickle's reducers. Loading those runs their code:
+            only a trusted load accepts them.
+        registry: the reducer registry to apply (default: the process's, plugins included).
 
     After :meth:`dump`, :attr:`buffer_specs` describes the out-of-band buffers in the order the stream
-    consumes them. Each ``PickleBuffer`` is a view of a storage's memory (a host copy for device storages)
-    and keeps that storage alive.
+    consumes them, and :attr:`plugins_used` the plugins whose reducers it applied. Each ``PickleBuffer`` is a
+    view of a storage's memory (a host copy for device storages) and keeps that storage alive.
 
     Raises:
-        ArgumentError: a protocol below 5.
+        ArgumentError: a protocol below 5; ``by_value`` without cloudpickle installed.
     """
 
     def __init__(
@@ -182,26 +268,35 @@ class ZeroCopyPickler(pickle.Pickler):
         *,
         buffer_callback: Callable[[pickle.PickleBuffer], Any] | None = None,
         fix_imports: bool = True,
+        by_value: bool = False,
+        registry: Registry | None = None,
     ) -> None:
-        if protocol is None or protocol < 0:
-            protocol = pickle.HIGHEST_PROTOCOL
-        if protocol < PROTOCOL:
-            raise ArgumentError(f"ZeroCopyPickler needs pickle protocol >= {PROTOCOL} (PEP 574), not {protocol}")
-        self._state = _DumpState()
-        reduce_typed = functools.partial(_reduce_typed_storage, self._state)
-        table: dict[type, Any] = dict(copyreg.dispatch_table)
-        table[torch.Tensor] = functools.partial(_reduce_tensor, self._state)
-        table[torch.UntypedStorage] = functools.partial(_reduce_untyped_storage, self._state)
-        table.update(dict.fromkeys(_storage_types(), reduce_typed))
-        # Must be set before pickle.Pickler.__init__, which reads it once.
-        self.dispatch_table = table
-        callback = None if buffer_callback is None else functools.partial(_on_buffer, self._state, buffer_callback)
+        protocol = _check_protocol(protocol)
+        # dispatch_table must be set before pickle.Pickler.__init__, which reads it once.
+        callback = self._setup(buffer_callback, by_value, registry)
         super().__init__(file, protocol, fix_imports=fix_imports, buffer_callback=callback)
 
-    @property
-    def buffer_specs(self) -> list[BufferSpec]:
-        """Location, dtype and size of each out-of-band buffer, in stream order."""
-        return self._state.specs
+
+def dill_pickler(
+    file: IO[bytes],
+    *,
+    buffer_callback: Callable[[pickle.PickleBuffer], Any] | None = None,
+    registry: Registry | None = None,
+) -> _Reductions:
+    """A pickler built on dill (pure Python, slower, takes more kinds of objects) with the same reductions:
+    storages out of band, registry reducers. Its streams load with the C unpickler (dill must be installed).
+
+    Raises:
+        ArgumentError: dill is not installed.
+    """
+    dill = _import_optional("dill", "the dill backend")
+
+    class ZeroCopyDillPickler(_Reductions, dill.Pickler):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            callback = self._setup(buffer_callback, False, registry)
+            super().__init__(file, protocol=PROTOCOL, buffer_callback=callback)
+
+    return ZeroCopyDillPickler()
 
 
 class ZeroCopyUnpickler(pickle.Unpickler):
@@ -217,7 +312,9 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         map_location: where storages go, as for ``torch.load``.
         trusted: resolve every global (full pickle; runs whatever code the stream names).
         allow: further globals to allow for this unpickler only (classes, functions, ``"module:qualname"``).
+            Plugins' declared safe globals are always allowed.
         encoding, errors, fix_imports: as for ``pickle.Unpickler``.
+        registry: whose plugins' safe globals to allow (default: the process's registry).
 
     Raises:
         ArgumentError: a malformed ``allow`` entry or ``map_location``.
@@ -234,10 +331,15 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         encoding: str = "ASCII",
         errors: str = "strict",
         fix_imports: bool = True,
+        registry: Registry | None = None,
     ) -> None:
         super().__init__(file, fix_imports=fix_imports, encoding=encoding, errors=errors, buffers=buffers)
         static_target(map_location, "cpu")  # reject a malformed map_location before reading anything
-        self.allow_list: AllowList | None = None if trusted else AllowList(allow)
+        if trusted:
+            self.allow_list: AllowList | None = None
+        else:
+            plugin_globals = (registry if registry is not None else default_registry()).safe_globals()
+            self.allow_list = AllowList(allow, extra=plugin_globals)
         self._storage_builder = rebuild.StorageBuilder(map_location)
 
     def find_class(self, module: str, name: str) -> Any:

@@ -13,12 +13,14 @@ not of bytes; pages are read when a tensor first touches them.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import mmap
 import os
 import pickle
 import platform
 import stat
+from collections.abc import Callable
 from typing import IO, Any, BinaryIO, Union
 
 import torch
@@ -27,7 +29,9 @@ from . import arena, format
 from ._version import __version__
 from .device import MapLocation, check_targets
 from .errors import ArgumentError, DumpError, RestrictedLoadError, SnapshotError, ZeroCopyPickleError
-from .pickler import ZeroCopyPickler, ZeroCopyUnpickler
+from .locate import locate_failure
+from .pickler import ZeroCopyPickler, ZeroCopyUnpickler, dill_pickler
+from .registry import default_registry
 from .restricted import AllowSpec, format_global, scan_stream
 
 __all__ = ["Snapshot", "dump", "dumps", "freeze", "load", "loads", "scan"]
@@ -41,39 +45,71 @@ _ZEROS = bytes(format.PAGE)  # padding source: every gap in a snapshot is shorte
 # ---------------------------------------------------------------------------------------------------------
 
 
+BACKENDS = ("auto", "pickle", "cloudpickle", "dill")
+_PICKLE_ERRORS = (
+    pickle.PicklingError,
+    TypeError,
+    AttributeError,
+    ValueError,
+    BufferError,
+    RuntimeError,
+    RecursionError,
+)
+# RuntimeError: torch's reducers refuse some objects that way; RecursionError: graphs nested too deeply.
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _make_pickler(backend: str, file: IO[bytes], callback: Callable[[pickle.PickleBuffer], Any]) -> Any:
+    if backend == "dill":
+        return dill_pickler(file, buffer_callback=callback)
+    by_value = backend == "cloudpickle" or (backend == "auto" and _importable("cloudpickle"))
+    return ZeroCopyPickler(file, buffer_callback=callback, by_value=by_value)
+
+
 class _Prepared:
     """A pickled object graph, laid out and ready to write: the pieces reference the storages' memory."""
 
-    __slots__ = ("layout", "pieces")
+    __slots__ = ("backend", "layout", "pieces")
 
-    def __init__(self, obj: object) -> None:
-        stream = io.BytesIO()
-        views: list[memoryview] = []
+    def __init__(self, obj: object, backend: str) -> None:
+        if backend not in BACKENDS:
+            raise ArgumentError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {backend!r}")
+        # auto: the C pickler (with cloudpickle's by-value reductions for functions and classes that need
+        # them, object by object); if that fails, the whole graph again with dill.
+        attempts = [backend] if backend != "auto" else ["auto", *(["dill"] if _importable("dill") else [])]
+        first_error: BaseException | None = None
+        for attempt in attempts:
+            stream = io.BytesIO()
+            views: list[memoryview] = []
 
-        def collect(buffer: pickle.PickleBuffer) -> bool:
-            views.append(buffer.raw())
-            return False  # out of band
+            def collect(buffer: pickle.PickleBuffer, views: list[memoryview] = views) -> bool:
+                views.append(buffer.raw())
+                return False  # out of band
 
-        pickler = ZeroCopyPickler(stream, buffer_callback=collect)
-        try:
-            pickler.dump(obj)
-        except RecursionError as e:
-            raise DumpError(
-                f"cannot pickle {type(obj).__name__}: the object graph is nested too deeply for pickle "
-                f"({e}); raise sys.setrecursionlimit or flatten the structure"
-            ) from e
-        except (pickle.PicklingError, TypeError, AttributeError, ValueError, BufferError, RuntimeError) as e:
-            # RuntimeError: torch's reducers refuse some objects that way.
-            raise DumpError(f"cannot pickle {type(obj).__name__}: {e}") from e
-        specs = pickler.buffer_specs
+            pickler = _make_pickler(attempt, stream, collect)
+            try:
+                pickler.dump(obj)
+            except _PICKLE_ERRORS as e:
+                first_error = first_error or e
+                continue
+            self.backend = attempt
+            break
+        else:
+            assert first_error is not None
+            raise _dump_error(obj, backend, first_error) from first_error
         body = stream.getbuffer()
         self.layout = format.encode(
             body.nbytes,
-            specs,
+            pickler.buffer_specs,
+            plugins=pickler.plugins_used,
             producer={
                 "zerocopy_pickle": __version__,
                 "torch": torch.__version__,
                 "python": platform.python_version(),
+                "backend": "dill" if attempt == "dill" else "pickle" + ("+cloudpickle" if pickler._by_value else ""),
             },
         )
         layout = self.layout
@@ -89,7 +125,44 @@ class _Prepared:
         self.pieces = pieces
 
 
-def dump(obj: object, f: PathLike | IO[bytes], *, fsync: bool = False) -> None:
+def _dump_error(obj: object, backend: str, error: BaseException) -> DumpError:
+    """A DumpError that names the object that cannot be pickled, its path in the graph, and what to do."""
+    if isinstance(error, RecursionError):
+        return DumpError(
+            f"cannot pickle {type(obj).__name__}: the object graph is nested too deeply for pickle ({error}); "
+            f"raise sys.setrecursionlimit or flatten the structure"
+        )
+    pickler_backend = backend
+
+    def try_dump(candidate: object) -> BaseException | None:
+        try:
+            _make_pickler(pickler_backend, io.BytesIO(), lambda buffer: False).dump(candidate)
+        except _PICKLE_ERRORS as e:
+            return e
+        return None
+
+    failure = locate_failure(obj, try_dump)
+    if failure is None:  # pickles piecewise but not as a whole: report the whole
+        return DumpError(f"cannot pickle {type(obj).__name__} (backend {backend!r}): {error}", path="obj")
+    culprit = failure.obj
+    what = getattr(culprit, "__qualname__", None) or type(culprit).__qualname__
+    if callable(culprit) and backend == "pickle":
+        hint = "pass backend='auto' (or 'cloudpickle') to pickle functions and classes by value"
+    elif backend == "auto":
+        tried = "pickle and cloudpickle" + (", then dill" if _importable("dill") else " (dill is not installed)")
+        hint = (
+            f"no backend could pickle it ({tried}); drop it from the object, or register a reducer for "
+            f"{type(culprit).__module__}:{type(culprit).__qualname__} with zerocopy_pickle.register_reducer"
+        )
+    else:
+        hint = "try backend='auto', or register a reducer for its type with zerocopy_pickle.register_reducer"
+    return DumpError(
+        f"cannot pickle {what} at {failure.path} (backend {backend!r}): {failure.error}. {hint}",
+        path=failure.path,
+    )
+
+
+def dump(obj: object, f: PathLike | IO[bytes], *, backend: str = "auto", fsync: bool = False) -> None:
     """Write ``obj`` as a snapshot to a path or a binary file object.
 
     Every tensor storage goes into the snapshot's data region (aligned, out of band); the pickle stream holds
@@ -100,32 +173,41 @@ def dump(obj: object, f: PathLike | IO[bytes], *, fsync: bool = False) -> None:
     Args:
         obj: any picklable object graph: a tensor, a state dict, an ``nn.Module``, nested containers.
         f: a path (``str`` or ``os.PathLike``) or a binary file object opened for writing.
+        backend: ``"auto"`` (default): the C pickler, with functions and classes that cannot be imported by
+            reference (lambdas, local and ``__main__`` definitions) pickled by value through cloudpickle, one
+            object at a time; if that fails, the whole graph again with dill. ``"pickle"``: the C pickler
+            alone. ``"cloudpickle"``: by value through cloudpickle (required). ``"dill"``: dill. Every
+            backend keeps storages out of band and applies registered reducers; snapshots always load with
+            the C unpickler. By-value functions and classes run code when loaded: only trusted loads accept
+            them.
         fsync: with a path, flush the file and its directory entry to stable storage before returning.
 
     Raises:
-        DumpError: part of the graph cannot be pickled; nothing was written.
+        DumpError: part of the graph cannot be pickled; nothing was written. Its message and ``path`` name
+            the object that fails and where it sits (``obj.encoder.layers[3]._forward_hooks[7]``).
+        ArgumentError: an unknown backend, or one whose package is not installed.
         OSError: writing failed (a full disk, say); a path keeps its previous contents.
     """
     if isinstance(f, (str, os.PathLike)):
-        prepared = _Prepared(obj)
+        prepared = _Prepared(obj, backend)
         with arena.atomic_output(f, fsync=fsync) as fd:
             arena.write_pieces(fd, prepared.pieces)
     elif hasattr(f, "write"):
-        arena.write_pieces_to_file(f, _Prepared(obj).pieces)  # type: ignore[arg-type]
+        arena.write_pieces_to_file(f, _Prepared(obj, backend).pieces)  # type: ignore[arg-type]
     else:
         raise ArgumentError(f"dump() needs a path or a binary file object, not {type(f).__name__}")
 
 
-def dumps(obj: object) -> bytes:
+def dumps(obj: object, *, backend: str = "auto") -> bytes:
     """Return ``obj`` as a snapshot in one ``bytes`` object (the same bytes :func:`dump` writes).
 
     Raises:
-        DumpError: part of the graph cannot be pickled.
+        DumpError: part of the graph cannot be pickled (see :func:`dump`).
     """
-    return b"".join(_Prepared(obj).pieces)
+    return b"".join(_Prepared(obj, backend).pieces)
 
 
-def freeze(obj: object, *, name: str = "zerocopy_pickle") -> Snapshot:
+def freeze(obj: object, *, backend: str = "auto", name: str = "zerocopy_pickle") -> Snapshot:
     """Write ``obj`` as a snapshot into a sealed memfd.
 
     The memfd lives in memory (shmem), outside any file system. Once written it is sealed: nobody, this
@@ -134,6 +216,7 @@ def freeze(obj: object, *, name: str = "zerocopy_pickle") -> Snapshot:
 
     Args:
         obj: the object graph.
+        backend: as for :func:`dump`.
         name: the memfd's name, shown in ``/proc/<pid>/fd`` and ``/proc/<pid>/maps``.
 
     Returns:
@@ -143,7 +226,7 @@ def freeze(obj: object, *, name: str = "zerocopy_pickle") -> Snapshot:
     Raises:
         DumpError: part of the graph cannot be pickled.
     """
-    prepared = _Prepared(obj)
+    prepared = _Prepared(obj, backend)
     fd = arena.create_memfd(name)
     try:
         arena.write_pieces(fd, prepared.pieces)
@@ -176,6 +259,7 @@ def _load_view(
     """Unpickle the snapshot that fills ``view`` (writable, aligned); storages become views into it."""
     header = _header_of(view)
     check_targets(map_location, (entry.location for entry in header.buffers))
+    default_registry().prepare_load(header.plugins)
     buffers = [view[start:stop] for start, stop in map(header.buffer_range, range(len(header.buffers)))]
     stream = view[header.stream_offset : header.stream_offset + header.stream_nbytes]
     remaining = iter(buffers)
@@ -187,10 +271,17 @@ def _load_view(
         allow_list = unpickler.allow_list
         needed = tuple(g for g in scan_stream(stream) if allow_list is None or g not in allow_list)
         names = ", ".join(repr(format_global(g)) for g in needed) or repr(format_global(e.refused))
+        by_value = sorted({m for m, _ in needed if m.split(".")[0] in ("cloudpickle", "dill")})
+        note = (
+            f" It holds functions or classes pickled by value ({', '.join(by_value)}): loading them runs their "
+            f"code, so load it with trusted=True, and only if you trust where it came from."
+            if by_value
+            else ""
+        )
         raise RestrictedLoadError(
             f"{e} (restricted load). This snapshot needs {len(needed) or 1} global(s) that this call does not "
             f"allow: {names}. If you trust where it came from, pass allow=[{names}] to allow exactly "
-            f"those for this call, or trusted=True to unpickle without restrictions.",
+            f"those for this call, or trusted=True to unpickle without restrictions.{note}",
             refused=e.refused,
             needed=needed,
         ) from None
