@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from zerocopy_pickle import format as fmt
+from zerocopy_pickle.registry import default_registry
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_python(code: str, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh interpreter (same venv), with ``args`` as ``sys.argv[1:]``."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_python(
+    code: str, *args: str, timeout: float = 300, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (same venv), with ``args`` as ``sys.argv[1:]`` and ``env`` added."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
         capture_output=True,
@@ -93,3 +101,56 @@ def region_of(address: int) -> tuple[int, int, str] | None:
         if start <= address < end:
             return start, end, path
     return None
+
+
+EXAMPLE_PLUGIN_SOURCES = Path(__file__).with_name("fixtures") / "example_plugin"
+EXAMPLE_MODULES = ("zcp_example_plugin", "zcp_example_types", "zcp_broken_plugin")
+
+
+def install_example_plugins(site: Path, *, broken: bool = True) -> Path:
+    """Install the example plugin distributions into ``site`` as pip would: modules plus .dist-info folders
+    whose entry_points.txt names them (what importlib.metadata reads)."""
+    site.mkdir(parents=True, exist_ok=True)
+    for module in EXAMPLE_MODULES:
+        shutil.copy(EXAMPLE_PLUGIN_SOURCES / f"{module}.py", site / f"{module}.py")
+    dists = {"zcp-example-plugin": "example = zcp_example_plugin"}
+    if broken:
+        dists["zcp-broken-plugin"] = "broken = zcp_broken_plugin:register"
+    for dist, entry_point in dists.items():
+        info = site / f"{dist.replace('-', '_')}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text(f"[zerocopy_pickle.plugins]\n{entry_point}\n")
+    return site
+
+
+@dataclass
+class InstalledPlugins:
+    site: Path
+    warnings: list[warnings.WarningMessage]
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a fresh interpreter needs to see the plugins."""
+        return {"PYTHONPATH": os.pathsep.join([str(self.site), str(REPO)])}
+
+
+@pytest.fixture
+def example_plugins(tmp_path: Path) -> Iterator[InstalledPlugins]:
+    """The example plugins installed on sys.path and discovered by the default registry (undone afterwards)."""
+    site = install_example_plugins(tmp_path / "site")
+    registry = default_registry()
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    registry.rediscover()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            registry.ensure_discovered()
+        yield InstalledPlugins(site, caught)
+    finally:
+        sys.path.remove(str(site))
+        importlib.invalidate_caches()
+        for module in EXAMPLE_MODULES:
+            sys.modules.pop(module, None)
+        registry.rediscover()

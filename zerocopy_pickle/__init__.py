@@ -27,7 +27,7 @@ from .errors import (
 )
 from .pickler import ZeroCopyPickler, ZeroCopyUnpickler
 from .registry import PluginWarning, Reducer, Registrar, reducers, register_reducer, unregister_reducer
-from .snapshot import BACKENDS, Snapshot, dump, dumps, freeze, load, loads, scan
+from .snapshot import BACKENDS, Snapshot, dump, dumps, freeze, load, loads, read_header, scan
 
 __all__ = [
     "BACKENDS",
@@ -50,6 +50,7 @@ __all__ = [
     "freeze",
     "load",
     "loads",
+    "read_header",
     "reducers",
     "register_reducer",
     "scan",

@@ -34,7 +34,7 @@ from .pickler import ZeroCopyPickler, ZeroCopyUnpickler, dill_pickler
 from .registry import default_registry
 from .restricted import AllowSpec, format_global, scan_stream
 
-__all__ = ["Snapshot", "dump", "dumps", "freeze", "load", "loads", "scan"]
+__all__ = ["BACKENDS", "Snapshot", "dump", "dumps", "freeze", "load", "loads", "read_header", "scan"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 _ZEROS = bytes(format.PAGE)  # padding source: every gap in a snapshot is shorter than a page
@@ -466,6 +466,28 @@ def loads(
     return _load_view(view, map_location=map_location, trusted=trusted, allow=allow)
 
 
+def _view_of(f: PathLike | IO[bytes] | bytes | bytearray | memoryview, what: str) -> memoryview:
+    if isinstance(f, (str, os.PathLike)):
+        return memoryview(_open_path(f, copy=False))
+    if isinstance(f, (bytes, bytearray, memoryview, mmap.mmap)):
+        return memoryview(f).cast("B")
+    if hasattr(f, "read"):
+        return memoryview(_open_file(f, copy=False))  # type: ignore[arg-type]
+    raise ArgumentError(f"{what}() needs a path, a file object or bytes, not {type(f).__name__}")
+
+
+def read_header(f: PathLike | IO[bytes] | bytes | bytearray | memoryview) -> format.Header:
+    """Validate a snapshot's header and return it, without unpickling anything.
+
+    Args:
+        f: a snapshot path, binary file object, or bytes-like object.
+
+    Raises:
+        SnapshotError: the snapshot is malformed.
+    """
+    return _header_of(_view_of(f, "read_header"))
+
+
 def scan(f: PathLike | IO[bytes] | bytes | bytearray | memoryview) -> tuple[tuple[str, str], ...]:
     """List the globals a snapshot's stream references, without unpickling it.
 
@@ -479,15 +501,7 @@ def scan(f: PathLike | IO[bytes] | bytes | bytearray | memoryview) -> tuple[tupl
     Raises:
         SnapshotError: the snapshot is malformed.
     """
-    if isinstance(f, (str, os.PathLike)):
-        memory = _open_path(f, copy=False)
-        view = memoryview(memory)
-    elif isinstance(f, (bytes, bytearray, memoryview, mmap.mmap)):
-        view = memoryview(f).cast("B")
-    elif hasattr(f, "read"):
-        view = memoryview(_open_file(f, copy=False))  # type: ignore[arg-type]
-    else:
-        raise ArgumentError(f"scan() needs a path, a file object or bytes, not {type(f).__name__}")
+    view = _view_of(f, "scan")
     header = _header_of(view)
     return scan_stream(view[header.stream_offset : header.stream_offset + header.stream_nbytes])
 
