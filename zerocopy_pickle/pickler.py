@@ -32,7 +32,7 @@ from . import rebuild
 from .device import MapLocation, static_target
 from .errors import ArgumentError, SnapshotError
 from .format import BufferSpec, PluginRef
-from .registry import Reducer, Registry, default_registry
+from .registry import Registry, default_registry
 from .restricted import AllowList, AllowSpec
 
 __all__ = ["PROTOCOL", "ZeroCopyPickler", "ZeroCopyUnpickler", "dill_pickler"]
@@ -170,7 +170,7 @@ class _Reductions:
 
     _state: _DumpState
     _registry: Registry
-    _reducer_cache: dict[type, Reducer | None]
+    _reducer_cache: dict[type, Callable[[Any], Any] | None]
     _by_value: Any  # a cloudpickle.Pickler whose reducer_override decides by-value reductions, or None
 
     def _setup(
@@ -198,20 +198,31 @@ class _Reductions:
         return None if buffer_callback is None else functools.partial(_on_buffer, self._state, buffer_callback)
 
     def reducer_override(self, obj: Any) -> Any:
+        # Called by pickle for nearly every object: one dict lookup per object, the decision cached per type.
         cls = type(obj)
+        try:
+            reduce = self._reducer_cache[cls]
+        except KeyError:
+            reduce = self._reducer_cache[cls] = self._reduce_for(cls)
+        return NotImplemented if reduce is None else reduce(obj)
+
+    def _reduce_for(self, cls: type) -> Callable[[Any], Any] | None:
         if self._by_value is not None and (cls is types.FunctionType or issubclass(cls, type)):
             # By reference when importable, else by value (lambdas, local and __main__ definitions).
-            return self._by_value.reducer_override(obj)
-        try:
-            reducer = self._reducer_cache[cls]
-        except KeyError:
-            reducer = self._reducer_cache[cls] = self._registry.lookup(cls)
+            by_value: Callable[[Any], Any] = self._by_value.reducer_override
+            return by_value
+        reducer = self._registry.lookup(cls)
         if reducer is None:
-            return NotImplemented
-        reduced = reducer.reduce(obj)
-        if reduced is not NotImplemented and reducer.plugin:
-            self._state.plugins.setdefault(reducer.plugin, PluginRef(reducer.plugin, reducer.package or reducer.plugin))
-        return reduced
+            return None
+        plugins = self._state.plugins
+
+        def reduce(obj: Any) -> Any:
+            reduced = reducer.reduce(obj)
+            if reduced is not NotImplemented and reducer.plugin:
+                plugins.setdefault(reducer.plugin, PluginRef(reducer.plugin, reducer.package or reducer.plugin))
+            return reduced
+
+        return reduce
 
     @property
     def buffer_specs(self) -> list[BufferSpec]:
