@@ -50,8 +50,9 @@ class RestrictedLoadError(ZeroCopyPickleError, pickle.UnpicklingError):
 
     Attributes:
         refused: the ``(module, qualname)`` pair that was refused.
-        needed: every ``(module, qualname)`` pair the stream references that this call does not allow,
-            when it could be determined (see :func:`zerocopy_pickle.scan`).
+        needed: every pair the stream references that this call does not allow but could (see
+            :func:`zerocopy_pickle.scan`), when it could be determined.
+        blocked: every pair the stream references that is on the blocklist: no ``allow=`` permits those.
     """
 
     def __init__(
@@ -60,10 +61,12 @@ class RestrictedLoadError(ZeroCopyPickleError, pickle.UnpicklingError):
         *,
         refused: tuple[str, str],
         needed: tuple[tuple[str, str], ...] = (),
+        blocked: tuple[tuple[str, str], ...] = (),
     ) -> None:
         super().__init__(message)
         self.refused = refused
         self.needed = needed
+        self.blocked = blocked
 
 
 class DeviceError(ZeroCopyPickleError, RuntimeError):

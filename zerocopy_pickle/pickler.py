@@ -46,14 +46,38 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def storage_bytes(storage: torch.UntypedStorage) -> memoryview:
-    """A writable byte view of a CPU storage's memory, without a copy; the view keeps the storage alive."""
+def storage_bytes(storage: torch.UntypedStorage) -> Any:
+    """A writable, 1-D byte buffer over a CPU storage's memory, without a copy, that keeps the storage alive.
+
+    Note [Storage buffers and the garbage collector]: the exporter is a NumPy array (via a uint8 tensor over
+    the storage) when NumPy is importable, else a ctypes array whose type is cached for good. Never a chain of
+    memoryviews, and never a ctypes array type that can die with its instance: when a pickler sits in a
+    reference cycle, the garbage collector may clear its buffers in any order, and clearing a ctypes array
+    type before its instance, or a memoryview that still has an export, crashes or complains at exit.
+    """
     nbytes = storage.nbytes()
     if nbytes == 0:
-        return memoryview(bytearray())
-    array = (ctypes.c_ubyte * nbytes).from_address(storage.data_ptr())
-    array._storage = storage  # type: ignore[attr-defined]  # the memory's owner lives as long as the view
-    return memoryview(array).cast("B")
+        return bytearray()
+    if _numpy_available():
+        return torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+    array_type = _BYTE_ARRAY_TYPES.get(nbytes)
+    if array_type is None:
+        array_type = _BYTE_ARRAY_TYPES.setdefault(nbytes, ctypes.c_ubyte * nbytes)
+    array = array_type.from_address(storage.data_ptr())
+    array._storage = storage  # type: ignore[attr-defined]  # the memory's owner lives as long as the buffer
+    return array
+
+
+_BYTE_ARRAY_TYPES: dict[int, type[ctypes.Array[ctypes.c_ubyte]]] = {}
+
+
+@functools.lru_cache(maxsize=1)
+def _numpy_available() -> bool:
+    try:
+        torch.empty(1, dtype=torch.uint8).numpy()
+    except (ImportError, RuntimeError):
+        return False
+    return True
 
 
 @dataclass

@@ -85,6 +85,19 @@ def rebuild_tensor(
     return tensor
 
 
+def rebuild_sparse_tensor_checked(layout: torch.layout, data: tuple[Any, ...]) -> torch.Tensor:
+    """``torch._utils._rebuild_sparse_tensor`` with its invariants checked at once (restricted loads use this
+    in its place: torch checks them only after ``torch.load``, and bad indices read out of bounds)."""
+    if layout == torch.sparse_coo:
+        indices, values, size, *rest = data
+        coalesced = rest[0] if rest else None
+        return torch.sparse_coo_tensor(indices, values, size, check_invariants=True, is_coalesced=coalesced)
+    if layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        compressed, plain, values, size = data
+        return torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout, check_invariants=True)
+    raise ValueError(f"unknown sparse layout {layout!r}")
+
+
 def rebuild_typed_storage(storage: torch.UntypedStorage, dtype: torch.dtype) -> torch.storage.TypedStorage:
     """Wrap an untyped storage as the ``TypedStorage`` that ``Tensor.__reduce_ex__`` expects."""
     return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)

@@ -25,14 +25,14 @@ from typing import IO, Any, BinaryIO, Union
 
 import torch
 
-from . import arena, format
+from . import arena, format, streamcheck
 from ._version import __version__
 from .device import MapLocation, check_targets
 from .errors import ArgumentError, DumpError, RestrictedLoadError, SnapshotError, ZeroCopyPickleError
 from .locate import locate_failure
 from .pickler import ZeroCopyPickler, ZeroCopyUnpickler, dill_pickler
 from .registry import default_registry
-from .restricted import AllowSpec, format_global, scan_stream
+from .restricted import AllowSpec, refusal_message, scan_stream
 
 __all__ = ["BACKENDS", "Snapshot", "dump", "dumps", "freeze", "load", "loads", "read_header", "scan"]
 
@@ -95,6 +95,8 @@ class _Prepared:
             except _PICKLE_ERRORS as e:
                 first_error = first_error or e
                 continue
+            finally:
+                pickler.clear_memo()  # release what the memo holds now, not whenever a cycle is collected
             self.backend = attempt
             break
         else:
@@ -256,47 +258,40 @@ def _load_view(
     trusted: bool,
     allow: AllowSpec,
 ) -> Any:
-    """Unpickle the snapshot that fills ``view`` (writable, aligned); storages become views into it."""
+    """Unpickle the snapshot that fills ``view`` (writable, aligned); storages become views into it.
+
+    Everything that can be checked is checked before the unpickler runs: the header, the stream's bounds and
+    buffer count, that every device exists, that every plugin is loaded.
+    """
     header = _header_of(view)
+    stream = bytes(view[header.stream_offset : header.stream_offset + header.stream_nbytes])
+    consumed = streamcheck.validated(stream)
+    if consumed != len(header.buffers):
+        raise SnapshotError(
+            f"the pickle stream consumes {consumed} out-of-band buffer(s), the header declares {len(header.buffers)}"
+        )
     check_targets(map_location, (entry.location for entry in header.buffers))
     default_registry().prepare_load(header.plugins)
     buffers = [view[start:stop] for start, stop in map(header.buffer_range, range(len(header.buffers)))]
-    stream = view[header.stream_offset : header.stream_offset + header.stream_nbytes]
-    remaining = iter(buffers)
-    source = io.BytesIO(stream)
-    unpickler = ZeroCopyUnpickler(source, buffers=remaining, map_location=map_location, trusted=trusted, allow=allow)
+    unpickler = ZeroCopyUnpickler(
+        io.BytesIO(stream), buffers=buffers, map_location=map_location, trusted=trusted, allow=allow
+    )
     try:
-        obj = unpickler.load()
+        return unpickler.load()
     except RestrictedLoadError as e:
-        allow_list = unpickler.allow_list
-        needed = tuple(g for g in scan_stream(stream) if allow_list is None or g not in allow_list)
-        names = ", ".join(repr(format_global(g)) for g in needed) or repr(format_global(e.refused))
-        by_value = sorted({m for m, _ in needed if m.split(".")[0] in ("cloudpickle", "dill")})
-        note = (
-            f" It holds functions or classes pickled by value ({', '.join(by_value)}): loading them runs their "
-            f"code, so load it with trusted=True, and only if you trust where it came from."
-            if by_value
-            else ""
-        )
-        raise RestrictedLoadError(
-            f"{e} (restricted load). This snapshot needs {len(needed) or 1} global(s) that this call does not "
-            f"allow: {names}. If you trust where it came from, pass allow=[{names}] to allow exactly "
-            f"those for this call, or trusted=True to unpickle without restrictions.{note}",
-            refused=e.refused,
-            needed=needed,
-        ) from None
+        assert unpickler.allow_list is not None  # only restricted loads refuse
+        raise refusal_message(e, unpickler.allow_list, scan_stream(stream)) from None
+    except ZeroCopyPickleError:
+        raise
     except (pickle.UnpicklingError, EOFError) as e:
         raise SnapshotError(f"the pickle stream (offset {header.stream_offset}) is corrupt: {e}") from e
-    if source.tell() != header.stream_nbytes:
+    except Exception as e:
+        if trusted:
+            raise  # the snapshot's own code failed: the caller chose to run it
+        # Restricted: only the safe set and allowed globals ran, so a failure means the stream is malformed.
         raise SnapshotError(
-            f"the pickle stream ends at byte {source.tell()} of {header.stream_nbytes}: trailing data after STOP"
-        )
-    unused = sum(1 for _ in remaining)
-    if unused:
-        raise SnapshotError(
-            f"the stream consumed {len(buffers) - unused} of the {len(buffers)} buffers the header declares"
-        )
-    return obj
+            f"the pickle stream (offset {header.stream_offset}) does not rebuild: {type(e).__name__}: {e}"
+        ) from e
 
 
 def _map_fd(fd: int, nbytes: int, offset: int = 0) -> mmap.mmap:
