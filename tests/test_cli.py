@@ -36,7 +36,8 @@ def test_inspect_text(snapshot: Path) -> None:
     proc = run_cli("inspect", str(snapshot))
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "format v1" in out
+    assert "format v2" in out
+    assert "checksums: xxh3_64" in out
     assert "float16 32 B" in out and "int64 24 B" in out
     assert "torch.nn.modules.linear:Linear" in out
     assert "zerocopy_pickle.rebuild:rebuild_storage" in out
@@ -46,7 +47,9 @@ def test_inspect_text(snapshot: Path) -> None:
 def test_inspect_json(snapshot: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", "--json", str(snapshot)]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["format_version"] == 1
+    assert report["format_version"] == 2
+    assert report["checksums"]["algorithm"] == "xxh3_64"
+    assert report["signed"] is False
     assert report["nbytes_by_dtype"]["float16"] == 32
     assert len(report["buffers"]) == 4
     assert {"offset", "nbytes", "location", "dtype", "readonly"} == set(report["buffers"][0])

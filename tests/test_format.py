@@ -64,8 +64,10 @@ def test_layout_is_aligned_and_consistent() -> None:
 def test_real_snapshot_header_round_trips() -> None:
     data = snapshot_bytes()
     header = decode(data)
-    assert header.version == 1
+    assert header.version == 2
     assert header.total_nbytes == len(data)
+    assert header.checksums is not None and len(header.checksums.buffers) == 2
+    assert header.signature == ""
     assert len(header.buffers) == 2
     assert [b.dtype for b in header.buffers] == ["float32", "uint8"]
     assert all(b.location == "cpu" for b in header.buffers)
@@ -107,8 +109,8 @@ def test_torch_save_file_is_not_a_snapshot(tmp_path: object) -> None:
 
 def test_newer_version() -> None:
     data = bytearray(snapshot_bytes())
-    data[7] = 2
-    with pytest.raises(zp.SnapshotError, match="format version 2 .* not supported"):
+    data[7] = 3
+    with pytest.raises(zp.SnapshotError, match="format version 3 .* not supported"):
         decode(bytes(data))
 
 
@@ -211,12 +213,23 @@ def test_missing_key(key: str) -> None:
 
 def test_unknown_key() -> None:
     _, header, rest = split(snapshot_bytes())
-    header["signature"] = "abc"
-    with pytest.raises(zp.SnapshotError, match="unknown key.*signature.*newer"):
+    header["frobnicate"] = "abc"
+    with pytest.raises(zp.SnapshotError, match="unknown key.*frobnicate.*newer"):
         decode(rebuild(header, rest))
 
 
-@pytest.mark.parametrize("value", [2, True, "1", None])
+def test_version_1_header_cannot_carry_version_2_keys() -> None:
+    _, header, rest = split(snapshot_bytes())
+    header["version"] = 1
+    data = bytearray(rebuild(header, rest))
+    data[7] = 1
+    blob = bytes(data[32 : 32 + struct.unpack_from("<I", data, 12)[0]])
+    struct.pack_into("<I", data, 24, zlib.crc32(blob))
+    with pytest.raises(zp.SnapshotError, match=r"unknown key.*checksums.*format version 1"):
+        decode(bytes(data))
+
+
+@pytest.mark.parametrize("value", [1, 3, True, "2", None])
 def test_header_version_disagrees(value: object) -> None:
     _, header, rest = split(snapshot_bytes())
     header["version"] = value
@@ -307,6 +320,7 @@ def test_buffer_row_shape() -> None:
 
 def test_buffer_count_must_match_stream() -> None:
     _, header, rest = split(snapshot_bytes())
+    del header["checksums"]  # they would already disagree with a changed buffer table
     buffers = header["buffers"]
     assert isinstance(buffers, list)
     end = fmt.align_up(buffers[-1][0] + buffers[-1][1], 64)

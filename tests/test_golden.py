@@ -7,12 +7,16 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import zerocopy_pickle as zp
 
 GOLDEN = Path(__file__).with_name("golden") / "v1.zcp"
+GOLDEN_V2 = GOLDEN.with_name("v2.zcp")
+GOLDEN_V2_KEY = b"zerocopy_pickle golden v2 key"
 # The file must never be regenerated: a reader change that breaks it is a format break.
+GOLDEN_V2_SHA256 = "61ca395554ab66c3483c6fa30e2ee0dd7560394ca716711a57fb4eb072adb0d9"
 GOLDEN_SHA256 = "293d9e7d063259e4107d2c3116226056c972bccbb03f855112716f021f4aaf9d"
 
 
@@ -77,3 +81,18 @@ def test_golden_v1_loads_in_every_way() -> None:
         assert zp.load(f, trusted=True)["scalar"] == 7.25
     with zp.Snapshot.open(GOLDEN) as snap:
         assert snap.load(trusted=True)["int64"].tolist() == [-3, -2, -1, 0, 1, 2]
+
+
+def test_golden_v2_file_is_unchanged() -> None:
+    assert hashlib.sha256(GOLDEN_V2.read_bytes()).hexdigest() == GOLDEN_V2_SHA256
+
+
+def test_golden_v2_verifies_and_loads_trusted_with_its_key() -> None:
+    loaded = zp.load(GOLDEN_V2, key=GOLDEN_V2_KEY, verify=True)  # trusted: no allow= for Linear
+    expected = golden_object()
+    assert torch.equal(loaded["linear"].weight, expected["linear"].weight)
+    assert equal(loaded["large"], expected["large"])
+    header = zp.read_header(GOLDEN_V2)
+    assert header.version == 2 and header.signature and header.checksums is not None
+    with pytest.raises(zp.IntegrityError, match="signature does not match"):
+        zp.load(GOLDEN_V2, key=b"another key")

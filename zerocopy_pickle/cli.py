@@ -51,6 +51,8 @@ def _inspect(args: argparse.Namespace) -> int:
             "data": {"offset": header.data_offset, "nbytes": header.data_nbytes},
             "producer": header.producer,
             "plugins": [p._asdict() for p in header.plugins],
+            "checksums": header.checksums._asdict() if header.checksums else None,
+            "signed": bool(header.signature),
             "buffers": [entry._asdict() for entry in header.buffers],
             "nbytes_by_dtype": dict(by_dtype),
             "nbytes_by_location": dict(by_location),
@@ -68,6 +70,9 @@ def _inspect(args: argparse.Namespace) -> int:
         f"  data       [{header.data_offset}, {header.total_nbytes})  {_human(header.data_nbytes)} in "
         f"{len(header.buffers)} buffers",
         "  plugins:   " + (", ".join(f"{p.name} (from {p.package})" for p in header.plugins) or "none"),
+        "  checksums: "
+        + (f"{header.checksums.algorithm}, stream and {len(header.buffers)} buffers" if header.checksums else "none"),
+        "  signature: " + ("HMAC-SHA256 (verify with load(..., key=...))" if header.signature else "none"),
         "  by dtype:  " + ", ".join(f"{d} {_human(n)}" for d, n in by_dtype.most_common()),
         "  by device: " + ", ".join(f"{d} {_human(n)}" for d, n in by_location.most_common()),
         f"  globals the stream needs ({len(globals_needed)}):",

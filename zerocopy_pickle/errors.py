@@ -14,6 +14,7 @@ __all__ = [
     "ArgumentError",
     "DeviceError",
     "DumpError",
+    "IntegrityError",
     "PluginError",
     "RestrictedLoadError",
     "SnapshotError",
@@ -30,6 +31,10 @@ class SnapshotError(ZeroCopyPickleError, ValueError):
 
     The message names the field or range that is wrong and where it is.
     """
+
+
+class IntegrityError(SnapshotError):
+    """A snapshot's bytes do not match its checksums, or its signature is missing or does not verify."""
 
 
 class DumpError(ZeroCopyPickleError, pickle.PicklingError):

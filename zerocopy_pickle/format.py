@@ -1,4 +1,4 @@
-"""The snapshot layout (format v1): encoding the header, and validating every byte of it before use.
+"""The snapshot layout (format versions 1 and 2): encoding the header, and validating every byte of it before use.
 
 A snapshot is one contiguous byte sequence::
 
@@ -23,7 +23,7 @@ import json
 import re
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -35,6 +35,7 @@ __all__ = [
     "MAGIC",
     "BufferEntry",
     "BufferSpec",
+    "Checksums",
     "Header",
     "Layout",
     "PluginRef",
@@ -45,8 +46,12 @@ __all__ = [
 
 MAGIC_PREFIX = b"\x89ZCP\r\n\x1a"
 """First seven bytes of every snapshot. Like PNG's, the CR LF and ^Z catch text-mode mangling."""
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The version writers produce. Version 2 adds optional integrity fields (checksums, a signature)."""
+READABLE_VERSIONS = frozenset({1, 2})
 MAGIC = MAGIC_PREFIX + bytes([FORMAT_VERSION])
+CHECKSUM_ALGORITHM = "xxh3_64"
+SIGNATURE_ALGORITHM = "hmac-sha256"
 
 _FIXED = struct.Struct("<8sIIQII")  # magic, flags, header_nbytes, total_nbytes, header_crc32, reserved
 FIXED_NBYTES = _FIXED.size
@@ -64,6 +69,9 @@ _LOCATION_RE = re.compile(r"[a-z][a-z0-9_]*(:[0-9]{1,4})?")
 _DTYPE_RE = re.compile(r"[a-z][a-z0-9_]*")
 
 _REQUIRED_KEYS = frozenset({"version", "stream_nbytes", "data_nbytes", "buffers", "plugins", "producer"})
+_OPTIONAL_KEYS = {1: frozenset(), 2: frozenset({"checksums", "signature"})}
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def align_up(n: int, alignment: int) -> int:
@@ -108,8 +116,20 @@ class BufferEntry(NamedTuple):
     readonly: bool = False
 
 
+class Checksums(NamedTuple):
+    """Per-buffer and stream checksums (format version 2), as lowercase hex digests."""
+
+    algorithm: str
+    stream: str
+    buffers: tuple[str, ...]
+
+
 class Header(NamedTuple):
-    """A validated snapshot header. All offsets are absolute positions in the snapshot unless noted."""
+    """A validated snapshot header. All offsets are absolute positions in the snapshot unless noted.
+
+    ``signature`` is the hex HMAC the writer computed over ``signed_header`` (the canonical JSON header without
+    its signature) followed by the pickle stream; both are empty for unsigned snapshots.
+    """
 
     version: int
     total_nbytes: int
@@ -121,6 +141,9 @@ class Header(NamedTuple):
     buffers: tuple[BufferEntry, ...]
     plugins: tuple[PluginRef, ...]
     producer: dict[str, str]
+    checksums: Checksums | None = None
+    signature: str = ""
+    signed_header: bytes = b""
 
     def buffer_range(self, index: int) -> tuple[int, int]:
         """Absolute ``(start, stop)`` of buffer ``index``."""
@@ -146,6 +169,8 @@ def encode(
     *,
     plugins: Sequence[PluginRef] = (),
     producer: dict[str, str] | None = None,
+    checksums: Checksums | None = None,
+    sign: Callable[[bytes], str] | None = None,
 ) -> Layout:
     """Lay out a snapshot and encode its fixed header and JSON header.
 
@@ -154,6 +179,8 @@ def encode(
         buffers: the out-of-band buffers, in the order the stream consumes them.
         plugins: the plugins whose load hooks must run before the stream is unpickled.
         producer: versions of the software that wrote the snapshot (informational).
+        checksums: the stream's and every buffer's checksum, to record.
+        sign: given the canonical header without a signature, returns the signature to record.
 
     Returns:
         The :class:`Layout`; the caller writes ``prefix``, the stream, zero padding up to ``data_offset``,
@@ -175,7 +202,15 @@ def encode(
         "plugins": [{"name": p.name, "package": p.package} for p in plugins],
         "producer": dict(producer or {}),
     }
-    blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode("utf-8")
+    if checksums is not None:
+        header["checksums"] = {
+            "algorithm": checksums.algorithm,
+            "stream": checksums.stream,
+            "buffers": list(checksums.buffers),
+        }
+    if sign is not None:
+        header["signature"] = {"algorithm": SIGNATURE_ALGORITHM, "value": sign(canonical(header))}
+    blob = canonical(header)
     if len(blob) > MAX_HEADER_NBYTES:
         raise SnapshotError(
             f"snapshot header would be {len(blob)} bytes, over the format's limit of {MAX_HEADER_NBYTES}; "
@@ -186,6 +221,11 @@ def encode(
     total = data_offset + cursor
     fixed = _FIXED.pack(MAGIC, 0, len(blob), total, zlib.crc32(blob), 0)
     return Layout(fixed + blob, stream_offset, data_offset, tuple(offsets), total)
+
+
+def canonical(header: Mapping[str, Any]) -> bytes:
+    """The one byte form of a header object: what is written, CRC'd and signed."""
+    return json.dumps(header, separators=(",", ":"), sort_keys=True).encode("utf-8")
 
 
 def decode_fixed(fixed: bytes | memoryview, actual_nbytes: int | None) -> tuple[int, int, int]:
@@ -209,10 +249,10 @@ def decode_fixed(fixed: bytes | memoryview, actual_nbytes: int | None) -> tuple[
     magic, flags, header_nbytes, total, crc, reserved = _FIXED.unpack_from(fixed, 0)
     if magic[:7] != MAGIC_PREFIX:
         raise SnapshotError(f"not a zerocopy_pickle snapshot: bytes 0-7 are {bytes(magic)!r}, expected {MAGIC!r}")
-    if magic[7] != FORMAT_VERSION:
+    if magic[7] not in READABLE_VERSIONS:
         raise SnapshotError(
-            f"snapshot format version {magic[7]} (byte 7) is not supported; this reader understands version "
-            f"{FORMAT_VERSION}. Upgrade zerocopy_pickle to read newer snapshots."
+            f"snapshot format version {magic[7]} (byte 7) is not supported; this reader understands versions "
+            f"{', '.join(map(str, sorted(READABLE_VERSIONS)))}. Upgrade zerocopy_pickle to read newer snapshots."
         )
     if flags != 0:
         raise SnapshotError(f"unknown flags {flags:#x} in the fixed header (offset 8); version 1 defines none")
@@ -268,13 +308,15 @@ def decode_header(fixed: bytes | memoryview, blob: bytes | memoryview, actual_nb
     missing = _REQUIRED_KEYS - obj.keys()
     if missing:
         raise SnapshotError(f"header lacks required key(s) {sorted(missing)}")
-    unknown = obj.keys() - _REQUIRED_KEYS
+    version = bytes(fixed[7:8])[0]
+    unknown = obj.keys() - _REQUIRED_KEYS - _OPTIONAL_KEYS[version]
     if unknown:
         raise SnapshotError(
-            f"header has unknown key(s) {sorted(unknown)}: written by a newer zerocopy_pickle; upgrade to read it"
+            f"header has unknown key(s) {sorted(unknown)} for format version {version}: written by a newer "
+            f"zerocopy_pickle; upgrade to read it"
         )
-    if obj["version"] != FORMAT_VERSION or isinstance(obj["version"], bool):
-        raise SnapshotError(f"header version {obj['version']!r} disagrees with the magic's {FORMAT_VERSION}")
+    if obj["version"] != version or isinstance(obj["version"], bool):
+        raise SnapshotError(f"header version {obj['version']!r} disagrees with the magic's {version}")
     stream_nbytes = _int(obj["stream_nbytes"], "stream_nbytes")
     data_nbytes = _int(obj["data_nbytes"], "data_nbytes")
     stream_offset = FIXED_NBYTES + header_nbytes
@@ -303,8 +345,13 @@ def decode_header(fixed: bytes | memoryview, blob: bytes | memoryview, actual_nb
         isinstance(v, str) and len(k) <= _MAX_NAME and len(v) <= 200 for k, v in producer.items()
     ):
         raise SnapshotError(f"header 'producer' must map names to version strings, found {producer!r:.200}")
+    checksums = _checksums(obj.get("checksums"), len(buffers))
+    signature, signed_header = "", b""
+    if "signature" in obj:
+        signature = _signature(obj["signature"])
+        signed_header = canonical({k: v for k, v in obj.items() if k != "signature"})
     return Header(
-        version=FORMAT_VERSION,
+        version=version,
         total_nbytes=total,
         header_nbytes=header_nbytes,
         stream_offset=stream_offset,
@@ -314,7 +361,43 @@ def decode_header(fixed: bytes | memoryview, blob: bytes | memoryview, actual_nb
         buffers=buffers,
         plugins=tuple(PluginRef(p["name"], p["package"]) for p in plugins),
         producer=dict(producer),
+        checksums=checksums,
+        signature=signature,
+        signed_header=signed_header,
     )
+
+
+def _checksums(value: object, n_buffers: int) -> Checksums | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.keys() != {"algorithm", "stream", "buffers"}:
+        raise SnapshotError(f"header 'checksums' must be {{algorithm, stream, buffers}}, found {value!r:.200}")
+    if value["algorithm"] != CHECKSUM_ALGORITHM:
+        raise SnapshotError(
+            f"header 'checksums' uses {value['algorithm']!r:.40}; this reader knows {CHECKSUM_ALGORITHM!r}"
+        )
+    digests = value["buffers"]
+    if not isinstance(digests, list) or len(digests) != n_buffers:
+        raise SnapshotError(
+            f"header 'checksums' must list one digest per buffer ({n_buffers}), found "
+            f"{len(digests) if isinstance(digests, list) else type(digests).__name__}"
+        )
+    for digest in (value["stream"], *digests):
+        if not isinstance(digest, str) or not _HEX16.fullmatch(digest):
+            raise SnapshotError(f"header 'checksums' holds {digest!r:.40}, not a 16-digit hex digest")
+    return Checksums(CHECKSUM_ALGORITHM, value["stream"], tuple(digests))
+
+
+def _signature(value: object) -> str:
+    if not isinstance(value, dict) or value.keys() != {"algorithm", "value"}:
+        raise SnapshotError(f"header 'signature' must be {{algorithm, value}}, found {value!r:.200}")
+    if value["algorithm"] != SIGNATURE_ALGORITHM:
+        raise SnapshotError(
+            f"header 'signature' uses {value['algorithm']!r:.40}; this reader knows {SIGNATURE_ALGORITHM!r}"
+        )
+    if not isinstance(value["value"], str) or not _HEX64.fullmatch(value["value"]):
+        raise SnapshotError("header 'signature' value is not a 64-digit hex digest")
+    return value["value"]
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

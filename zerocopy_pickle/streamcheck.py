@@ -169,16 +169,12 @@ def walk_stream(stream: bytes | bytearray | memoryview, *, collect_globals: bool
         value: object = None
         arg = 0
         if kind != _PLAIN:
-            if kind == _ARG1:
-                arg, pos = data[pos], pos + 1
-            elif kind == _ARG2:
-                arg, pos = int.from_bytes(data[pos : pos + 2], "little"), pos + 2
-            elif kind == _ARG4:
-                arg, pos = int.from_bytes(data[pos : pos + 4], "little"), pos + 4
-            elif kind == _ARG8:
-                arg, pos = int.from_bytes(data[pos : pos + 8], "little"), pos + 8
+            width = _WIDTHS.get(kind, 0)
+            if pos + width > end:
+                raise _fail(f"{name} argument runs past the end of the stream", start)
+            if kind in (_ARG1, _ARG2, _ARG4, _ARG8):
+                arg, pos = int.from_bytes(data[pos : pos + width], "little"), pos + width
             elif kind in (_LEN1, _LEN4, _LEN8):
-                width = 1 if kind == _LEN1 else 4 if kind == _LEN4 else 8
                 length = int.from_bytes(data[pos : pos + width], "little", signed=op in _SIGNED_LENGTHS)
                 pos += width
                 if length < 0 or length > end - pos:
@@ -186,7 +182,10 @@ def walk_stream(stream: bytes | bytearray | memoryview, *, collect_globals: bool
                         f"{name} length {length} runs past the end of the stream ({end - pos} bytes left)", start
                     )
                 if collect_globals and op in _UNICODE:
-                    value = data[pos : pos + length].decode("utf-8", "surrogatepass")
+                    try:
+                        value = data[pos : pos + length].decode("utf-8", "surrogatepass")
+                    except UnicodeDecodeError as e:
+                        raise _fail(f"{name} is not UTF-8 ({e.reason})", start) from None
                 pos += length
             else:  # newline-terminated argument(s)
                 lines = 2 if kind == _LINE2 else 1
