@@ -198,3 +198,33 @@ def test_independent_registry_instance() -> None:
     registry.register_reducer(Shape, reduce_shape)
     assert registry.lookup(Square) is not None
     assert default_registry().lookup(Square) is None
+
+
+def test_module_claims_record_the_plugin(clean: Registry) -> None:
+    calls: list[int] = []
+    name = "zcp_claimed_ns.local.pipe"
+    module = types.ModuleType(name)
+    exec("class Widget:\n    pass\n", module.__dict__)
+    module.Widget.__module__ = name
+    sys.modules[name] = module
+    for parent in ("zcp_claimed_ns", "zcp_claimed_ns.local"):
+        sys.modules[parent] = types.ModuleType(parent)
+
+    def register(registrar: zp.Registrar) -> None:
+        registrar.claim_modules("zcp_claimed_ns")
+        registrar.set_load_hook(lambda: calls.append(1))
+
+    clean.add_plugin("test-claims", register, package="zcp-claims")
+    try:
+        for obj in (module.Widget(), module.Widget, [module.Widget()]):
+            for backend in ("pickle", "auto"):
+                data = zp.dumps(obj, backend=backend)
+                assert [p.name for p in zp.read_header(data).plugins] == ["test-claims"], (obj, backend)
+        assert zp.read_header(zp.dumps([1, Shape])).plugins == ()  # other modules: not claimed
+        zp.loads(zp.dumps(module.Widget()), trusted=True)
+        assert calls == [1]
+    finally:
+        for key in (name, "zcp_claimed_ns", "zcp_claimed_ns.local"):
+            del sys.modules[key]
+    with pytest.raises(zp.PluginError, match="module prefix must be a dotted module name"):
+        clean.add_plugin("test-bad-claim", lambda r: r.claim_modules(".x"))

@@ -195,6 +195,7 @@ class _Reductions:
     _state: _DumpState
     _registry: Registry
     _reducer_cache: dict[type, Callable[[Any], Any] | None]
+    _claims: bool  # whether any plugin claims module prefixes (dynamic module namespaces)
     _by_value: Any  # a cloudpickle.Pickler whose reducer_override decides by-value reductions, or None
 
     def _setup(
@@ -207,6 +208,7 @@ class _Reductions:
         self._registry = registry if registry is not None else default_registry()
         self._registry.ensure_discovered()
         self._reducer_cache = {}
+        self._claims = bool(self._registry.module_claims())
         self._by_value = None
         table: dict[Any, Any] = dict(copyreg.dispatch_table)
         if by_value:
@@ -230,11 +232,34 @@ class _Reductions:
             reduce = self._reducer_cache[cls] = self._reduce_for(cls)
         return NotImplemented if reduce is None else reduce(obj)
 
+    def _claim(self, module: object) -> None:
+        """Record the plugin that claims ``module`` (dynamic module namespaces), if one does."""
+        if isinstance(module, str) and self._claims:
+            info = self._registry.claim_for(module)
+            if info is not None:
+                self._state.plugins.setdefault(info.name, PluginRef(info.name, info.package))
+
     def _reduce_for(self, cls: type) -> Callable[[Any], Any] | None:
-        if self._by_value is not None and (cls is types.FunctionType or issubclass(cls, type)):
+        self._claim(cls.__module__)
+        is_class = issubclass(cls, type)
+        if self._by_value is not None and (cls is types.FunctionType or is_class):
             # By reference when importable, else by value (lambdas, local and __main__ definitions).
             by_value: Callable[[Any], Any] = self._by_value.reducer_override
-            return by_value
+            if not (is_class and self._claims):
+                return by_value
+
+            def class_by_value(obj: Any) -> Any:
+                self._claim(obj.__module__)
+                return by_value(obj)
+
+            return class_by_value
+        if is_class and self._claims:
+            # A class pickled by reference: pickling it needs nothing, loading it may need its plugin.
+            def class_by_reference(obj: Any) -> Any:
+                self._claim(obj.__module__)
+                return NotImplemented
+
+            return class_by_reference
         reducer = self._registry.lookup(cls)
         if reducer is None:
             return None

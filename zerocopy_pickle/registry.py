@@ -127,6 +127,7 @@ class PluginInfo:
     load_hook: Callable[[], None] | None = None
     safe_globals: tuple[tuple[str, str], ...] = ()
     patch_points: tuple[str, ...] = ()
+    modules: tuple[str, ...] = ()
 
 
 @dataclass
@@ -137,6 +138,7 @@ class _Pending:
     safe_globals: list[tuple[str, str]] = field(default_factory=list)
     load_hook: Callable[[], None] | None = None
     patch_points: list[str] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)
 
 
 _current_plugin: contextvars.ContextVar[tuple[_Pending, str, str] | None] = contextvars.ContextVar(
@@ -178,6 +180,15 @@ class Registrar:
         if not callable(hook):
             raise ArgumentError(f"a load hook must be callable, not {hook!r:.80}")
         self._pending.load_hook = hook
+
+    def claim_modules(self, *prefixes: str) -> None:
+        """Record this plugin in every snapshot that pickles a class (or an instance of one) from a module
+        under one of ``prefixes`` (``"diffusers_modules"`` covers ``diffusers_modules.local.x``), so that its
+        load hook prepares those modules before such a snapshot is unpickled. Pickling itself is unchanged."""
+        for prefix in prefixes:
+            if not isinstance(prefix, str) or not prefix or prefix.startswith(".") or prefix.endswith("."):
+                raise ArgumentError(f"a module prefix must be a dotted module name, not {prefix!r:.80}")
+        self._pending.modules.extend(prefixes)
 
     def add_patch_point(self, target: str) -> None:
         """Name a callable the model cache should route through itself (``"module:Class.from_pretrained"``)."""
@@ -299,6 +310,23 @@ class Registry:
             pairs.update(dict.fromkeys(reducer.safe_globals))
         return pairs
 
+    def module_claims(self) -> tuple[tuple[str, PluginInfo], ...]:
+        """``(module prefix, plugin)`` for every module prefix an enabled plugin claims."""
+        self.ensure_discovered()
+        return tuple(
+            (prefix, info)
+            for info in self._plugins.values()
+            if info.state in ("loaded", "registered")
+            for prefix in info.modules
+        )
+
+    def claim_for(self, module: str) -> PluginInfo | None:
+        """The plugin that claims ``module`` (see :meth:`Registrar.claim_modules`), if any."""
+        for prefix, info in self.module_claims():
+            if module == prefix or module.startswith(prefix + "."):
+                return info
+        return None
+
     def patch_points(self) -> tuple[tuple[str, str], ...]:
         """``(plugin, target)`` for every patch point declared by an enabled plugin."""
         self.ensure_discovered()
@@ -389,6 +417,7 @@ class Registry:
             load_hook=pending.load_hook,
             safe_globals=tuple(pending.safe_globals),
             patch_points=tuple(pending.patch_points),
+            modules=tuple(pending.modules),
         )
         self._plugins[name] = info
         self._commit_reducers(pending.reducers)
