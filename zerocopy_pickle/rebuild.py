@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import device
+from . import device, native
 from .device import MapLocation
 
 __all__ = [
@@ -30,17 +30,24 @@ __all__ = [
 # Note [Arena lifetime]
 # ~~~~~~~~~~~~~~~~~~~~~
 # A loaded storage points into a mapping of the snapshot. The mapping must outlive every storage in it, and
-# nothing may unmap it under a live tensor: that is a segfault, not an exception. torch.frombuffer keeps a
-# reference to the object it is given and drops its own buffer export at once; so it is given a memoryview
-# slice, whose export of the mmap object lives as long as the slice. The storage's deleter holds the slice,
-# so while any storage is alive the mmap cannot be closed (mmap.close() raises BufferError) nor collected.
-# The library never calls close() on a load's mapping: it is unmapped when its last storage dies.
+# nothing may unmap it under a live tensor: that is a segfault, not an exception. Two builders keep that
+# promise (zerocopy_pickle.native chooses):
+# * Python: torch.frombuffer keeps a reference to the object it is given and drops its own buffer export at
+#   once; so it is given a memoryview slice, whose export of the mmap object lives as long as the slice. The
+#   storage's deleter holds the slice.
+# * Native (csrc/zerocopy_native.cpp): the storage's DataPtr owns a Py_buffer export of the slice itself,
+#   released (GIL taken) by its deleter. About ten times cheaper, and the slice cannot even be release()d
+#   while the storage lives.
+# Either way, while any storage is alive the mmap cannot be closed (mmap.close() raises BufferError) nor
+# collected. The library never calls close() on a load's mapping: it is unmapped when its last storage dies.
 
 
 def storage_from_buffer(buffer: Any) -> torch.UntypedStorage:
     """Build a CPU ``UntypedStorage`` over ``buffer`` without copying it, when that is safe.
 
-    A writable buffer is aliased: the storage is a view into it and keeps it alive (Note [Arena lifetime]).
+    A writable buffer is aliased: the storage is a view into it and keeps it alive (Note [Arena lifetime]),
+    built by the native helper when that backend is active (:mod:`zerocopy_pickle.native`), else by
+    ``torch.frombuffer``.
     A read-only buffer is copied, because torch has no read-only storages and a writable tensor over
     immutable memory (``bytes``) would be undefined behaviour.
     """
@@ -51,6 +58,9 @@ def storage_from_buffer(buffer: Any) -> torch.UntypedStorage:
         return torch.UntypedStorage(0)
     if view.readonly:
         return torch.UntypedStorage.from_buffer(view, byte_order="native", dtype=torch.uint8)
+    build = native.storage_builder()
+    if build is not None:
+        return build(view)
     return torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
 
 
@@ -115,16 +125,21 @@ class StorageBuilder:
     ``zerocopy_pickle.rebuild:rebuild_storage``; the call signature is the same.
     """
 
-    __slots__ = ("_map_location", "_stays_on_cpu")
+    __slots__ = ("_map_location", "_native", "_stays_on_cpu")
 
     def __init__(self, map_location: MapLocation) -> None:
         self._map_location = map_location
+        self._native = native.storage_builder()  # the backend is chosen once per load
         self._stays_on_cpu: dict[str, bool] = {}  # saved location -> whether its target is the CPU
 
     def __call__(self, buffer: Any, location: str) -> torch.UntypedStorage:
         if type(buffer) is memoryview and buffer.format == "B" and buffer.nbytes and not buffer.readonly:
             # The load's own slices of its mapping: skip storage_from_buffer's checks (hot path).
-            storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+            build = self._native
+            if build is None:
+                storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+            else:
+                storage = build(buffer)
         else:
             storage = storage_from_buffer(buffer)
         stays = self._stays_on_cpu.get(location)
