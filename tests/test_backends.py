@@ -5,7 +5,7 @@ from __future__ import annotations
 import _pickle
 import re
 import sys
-import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -110,10 +110,9 @@ def test_the_path_through_dicts_lists_and_attributes() -> None:
     holder = Holder()
     holder.items = [1, {"gen": (i for i in range(3))}]
     with pytest.raises(zp.DumpError) as info:
-        zp.dumps({"model": {"parts": [torch.ones(2), holder]}})
+        zp.dumps({"model": {"parts": [torch.ones(2), holder]}}, backend="pickle")
     assert info.value.path == "obj['model']['parts'][1].items[1]['gen']"
-    assert "no backend could pickle it" in str(info.value)
-    assert "register_reducer" in str(info.value)
+    assert "generator" in str(info.value)  # the runtime-objects quirk refuses generators, and says what to do
 
 
 @pytest.mark.parametrize("backend", ["pickle", *BY_VALUE_BACKENDS])
@@ -139,10 +138,15 @@ def test_restricted_load_of_by_value_content_says_to_trust() -> None:
 
 
 def test_auto_falls_back_to_dill() -> None:
-    data = zp.dumps({"lock": threading.Lock(), "t": torch.ones(3)})
+    target = Holder()
+    data = zp.dumps({"ref": weakref.ref(target), "t": torch.ones(3)})  # only dill takes a weak reference
     assert zp.read_header(data).producer["backend"] == "dill"
     loaded = zp.loads(data, trusted=True)
-    assert loaded["lock"].acquire(blocking=False)
+    assert isinstance(loaded["ref"], weakref.ref) and torch.equal(loaded["t"], torch.ones(3))
+
+
+class Holder:
+    """Something a weak reference can point to."""
 
 
 def test_auto_keeps_importable_things_by_reference() -> None:

@@ -70,13 +70,11 @@ def test_highest_protocol_alias() -> None:
 
 
 def test_unpicklable_object_is_a_dump_error() -> None:
-    import threading
-
-    with pytest.raises(zp.DumpError, match=r"cannot pickle lock at obj\['lock'\]") as info:
-        zp.dumps({"ok": torch.ones(1), "lock": threading.Lock()}, backend="pickle")
+    with pytest.raises(zp.DumpError, match=r"cannot pickle memoryview at obj\['view'\]") as info:
+        zp.dumps({"ok": torch.ones(1), "view": io.BytesIO(b"x").getbuffer()}, backend="pickle")
     assert isinstance(info.value, pickle.PicklingError)
     assert info.value.__cause__ is not None
-    assert info.value.path == "obj['lock']"
+    assert info.value.path == "obj['view']"
 
 
 def test_unpickler_restricted_by_default() -> None:

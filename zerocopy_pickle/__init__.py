@@ -24,6 +24,7 @@ from .errors import (
     PluginError,
     RestrictedLoadError,
     SnapshotError,
+    Unpicklable,
     ZeroCopyPickleError,
 )
 from .pickler import ZeroCopyPickler, ZeroCopyUnpickler
@@ -43,6 +44,7 @@ __all__ = [
     "RestrictedLoadError",
     "Snapshot",
     "SnapshotError",
+    "Unpicklable",
     "ZeroCopyPickleError",
     "ZeroCopyPickler",
     "ZeroCopyUnpickler",

@@ -18,6 +18,7 @@ __all__ = [
     "PluginError",
     "RestrictedLoadError",
     "SnapshotError",
+    "Unpicklable",
     "ZeroCopyPickleError",
 ]
 
@@ -48,6 +49,11 @@ class DumpError(ZeroCopyPickleError, pickle.PicklingError):
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+class Unpicklable(ZeroCopyPickleError, TypeError):
+    """Raised by a reducer to refuse an object for good (an open file, a thread): no backend is tried after it,
+    and the dump's :class:`DumpError` carries this message, which should say what to do instead."""
 
 
 class RestrictedLoadError(ZeroCopyPickleError, pickle.UnpicklingError):

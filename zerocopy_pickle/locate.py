@@ -29,7 +29,7 @@ class Failure:
     error: BaseException
 
 
-def _children(obj: Any) -> Iterator[tuple[str, Any]]:
+def _children(obj: Any, reduce: Callable[[Any], Any]) -> Iterator[tuple[str, Any]]:
     """(path suffix, child) pairs, named as a user would write them."""
     if isinstance(obj, dict):
         for key, value in obj.items():
@@ -40,7 +40,7 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
     elif isinstance(obj, (set, frozenset)):
         for value in obj:
             yield f"{{{value!r:.40}}}", value
-    elif isinstance(obj, torch.nn.Module):
+    elif isinstance(obj, torch.nn.Module) and type(obj).__reduce_ex__ is torch.nn.Module.__reduce_ex__:
         for name, value in vars(obj).items():
             if name in _MODULE_CONTAINERS and isinstance(value, dict):
                 for key, child in value.items():
@@ -48,12 +48,12 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
             else:
                 yield f".{name}", value
     elif not isinstance(obj, (type, torch.Tensor)):
-        yield from _reduced_children(obj)
+        yield from _reduced_children(obj, reduce)
 
 
-def _reduced_children(obj: Any) -> Iterator[tuple[str, Any]]:
+def _reduced_children(obj: Any, reduce: Callable[[Any], Any]) -> Iterator[tuple[str, Any]]:
     try:
-        reduced = obj.__reduce_ex__(5)
+        reduced = reduce(obj)
     except Exception:  # the object itself cannot be reduced: it has no children worth blaming
         return
     if not isinstance(reduced, tuple):
@@ -84,8 +84,15 @@ def _reduced_children(obj: Any) -> Iterator[tuple[str, Any]]:
             yield f"[{key!r}]", value
 
 
+def _default_reduce(obj: Any) -> Any:
+    return obj.__reduce_ex__(5)
+
+
 def locate_failure(
-    root: Any, try_dump: Callable[[Any], BaseException | None], root_name: str = "obj"
+    root: Any,
+    try_dump: Callable[[Any], BaseException | None],
+    root_name: str = "obj",
+    reduce: Callable[[Any], Any] | None = None,
 ) -> Failure | None:
     """Find the deepest object of ``root``'s graph that fails to pickle on its own.
 
@@ -93,6 +100,8 @@ def locate_failure(
         root: the object graph whose dump failed.
         try_dump: pickles one object with the failing configuration; returns the error, or None on success.
         root_name: how the path starts.
+        reduce: how the pickler reduces an object (default ``obj.__reduce_ex__(5)``); an object whose reduction
+            raises has no children, so a refusing reducer makes its object the culprit.
 
     Returns:
         The failure, or None if ``root`` pickles on its own after all.
@@ -103,7 +112,7 @@ def locate_failure(
     node, path = root, root_name
     seen = {id(root)}
     while True:
-        for suffix, child in _children(node):
+        for suffix, child in _children(node, reduce or _default_reduce):
             if isinstance(child, _ATOMIC) or id(child) in seen:
                 continue
             seen.add(id(child))

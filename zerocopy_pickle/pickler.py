@@ -241,25 +241,19 @@ class _Reductions:
 
     def _reduce_for(self, cls: type) -> Callable[[Any], Any] | None:
         self._claim(cls.__module__)
-        is_class = issubclass(cls, type)
-        if self._by_value is not None and (cls is types.FunctionType or is_class):
-            # By reference when importable, else by value (lambdas, local and __main__ definitions).
-            by_value: Callable[[Any], Any] = self._by_value.reducer_override
-            if not (is_class and self._claims):
+        named = cls is types.FunctionType or issubclass(cls, type)  # pickled by name (or by value)
+        if named:
+            # By reference when importable, else (with by_value) by value: lambdas, local and __main__ definitions.
+            by_value: Callable[[Any], Any] | None = self._by_value.reducer_override if self._by_value else None
+            if not self._claims:
                 return by_value
 
-            def class_by_value(obj: Any) -> Any:
-                self._claim(obj.__module__)
-                return by_value(obj)
+            def claim_then_reduce(obj: Any) -> Any:
+                # Loading a function or class from a claimed namespace needs that namespace's plugin.
+                self._claim(getattr(obj, "__module__", None))
+                return NotImplemented if by_value is None else by_value(obj)
 
-            return class_by_value
-        if is_class and self._claims:
-            # A class pickled by reference: pickling it needs nothing, loading it may need its plugin.
-            def class_by_reference(obj: Any) -> Any:
-                self._claim(obj.__module__)
-                return NotImplemented
-
-            return class_by_reference
+            return claim_then_reduce
         reducer = self._registry.lookup(cls)
         if reducer is None:
             return None

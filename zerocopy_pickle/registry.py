@@ -19,6 +19,7 @@ points* for the model cache.
 from __future__ import annotations
 
 import contextvars
+import importlib
 import importlib.metadata
 import os
 import threading
@@ -40,6 +41,7 @@ __all__ = [
     "default_registry",
     "reducers",
     "register_reducer",
+    "resolve_name",
     "unregister_reducer",
 ]
 
@@ -57,6 +59,15 @@ class PluginWarning(UserWarning):
 def type_key(cls: type) -> str:
     """``"module:QualName"`` of a class, the key reducers are registered under."""
     return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def resolve_name(name: str) -> Any:
+    """Import ``"package.module:Qualified.name"`` and return the object it names (patch points, factories)."""
+    module, _, qualname = name.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _target_key(target: object) -> tuple[str, type | None]:

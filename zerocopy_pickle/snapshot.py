@@ -29,7 +29,7 @@ import torch
 from . import arena, format, integrity, streamcheck
 from ._version import __version__
 from .device import MapLocation, check_targets
-from .errors import ArgumentError, DumpError, RestrictedLoadError, SnapshotError, ZeroCopyPickleError
+from .errors import ArgumentError, DumpError, RestrictedLoadError, SnapshotError, Unpicklable, ZeroCopyPickleError
 from .locate import locate_failure
 from .pickler import ZeroCopyPickler, ZeroCopyUnpickler, dill_pickler
 from .registry import default_registry
@@ -93,6 +93,8 @@ class _Prepared:
             pickler = _make_pickler(attempt, stream, collect)
             try:
                 pickler.dump(obj)
+            except Unpicklable as e:  # a reducer refused for good: no other backend is worth a try
+                raise _dump_error(obj, attempt, e) from e
             except _PICKLE_ERRORS as e:
                 first_error = first_error or e
                 continue
@@ -148,11 +150,18 @@ def _dump_error(obj: object, backend: str, error: BaseException) -> DumpError:
             return e
         return None
 
-    failure = locate_failure(obj, try_dump)
+    def reduce(candidate: Any) -> Any:  # as the pickler would: a registered reducer first
+        reducer = default_registry().lookup(type(candidate))
+        reduced = reducer.reduce(candidate) if reducer is not None else NotImplemented
+        return candidate.__reduce_ex__(5) if reduced is NotImplemented else reduced
+
+    failure = locate_failure(obj, try_dump, reduce=reduce)
     if failure is None:  # pickles piecewise but not as a whole: report the whole
         return DumpError(f"cannot pickle {type(obj).__name__} (backend {backend!r}): {error}", path="obj")
     culprit = failure.obj
     what = getattr(culprit, "__qualname__", None) or type(culprit).__qualname__
+    if isinstance(failure.error, Unpicklable):
+        return DumpError(f"cannot pickle {what} at {failure.path}: {failure.error}", path=failure.path)
     if callable(culprit) and backend == "pickle":
         hint = "pass backend='auto' (or 'cloudpickle') to pickle functions and classes by value"
     elif backend == "auto":
