@@ -117,8 +117,8 @@ def test_convert_refuses_garbage_and_snapshots(
     assert "already a zerocopy_pickle snapshot" in capsys.readouterr().err
 
 
-def test_demo_runs_small() -> None:
-    proc = run_cli("demo", "--size-mb", "40", "--repeat", "1")
+def test_snapshot_demo_runs_small() -> None:
+    proc = run_cli("demo", "--snapshot", "--size-mb", "40", "--repeat", "1")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for method in ("torch.save / torch.load", "safetensors", "zerocopy_pickle dump / load", "whole nn.Module"):

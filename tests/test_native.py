@@ -455,7 +455,9 @@ def test_environment_variable_forces_the_backend(native_built: Path, value: str,
 
 
 def test_invalid_environment_value_fails_at_import() -> None:
-    proc = run_python("import zerocopy_pickle", env={native.ENV: "sometimes"}, check=False)
+    # The backend is chosen when the snapshot machinery is first imported (`import zerocopy_pickle` alone
+    # imports no torch): `from zerocopy_pickle import load` is that moment.
+    proc = run_python("from zerocopy_pickle import load", env={native.ENV: "sometimes"}, check=False)
     assert proc.returncode != 0
     assert "ArgumentError" in proc.stderr and native.ENV in proc.stderr
 
@@ -526,7 +528,7 @@ def test_a_broken_cached_build_falls_back_with_one_warning(tmp_path: Path) -> No
 def test_forced_native_without_a_compiler_fails_at_import_with_our_error(tmp_path: Path) -> None:
     code = """
     try:
-        import zerocopy_pickle
+        from zerocopy_pickle import load
     except Exception as e:
         from zerocopy_pickle.errors import ZeroCopyPickleError
         print(type(e).__name__, isinstance(e, ZeroCopyPickleError), isinstance(e, ImportError))

@@ -15,6 +15,11 @@ Loading is restricted by default: only tensors, containers and primitives. Allow
 ``allow=[MyClass, "module:qualname"]``, or ``trusted=True`` for snapshots you trust.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
 from .errors import (
     ArgumentError,
@@ -27,9 +32,34 @@ from .errors import (
     Unpicklable,
     ZeroCopyPickleError,
 )
-from .pickler import ZeroCopyPickler, ZeroCopyUnpickler
 from .registry import PluginWarning, Reducer, Registrar, reducers, register_reducer, unregister_reducer
-from .snapshot import BACKENDS, Snapshot, dump, dumps, freeze, load, loads, read_header, scan
+
+if TYPE_CHECKING:
+    from .pickler import ZeroCopyPickler, ZeroCopyUnpickler
+    from .snapshot import BACKENDS, Snapshot, dump, dumps, freeze, load, loads, read_header, scan
+
+# Imported on first use (PEP 562), so that importing a submodule that needs no torch (the model cache's server,
+# zerocopy_pickle.errors) does not import torch either.
+_LAZY = {
+    "ZeroCopyPickler": "pickler",
+    "ZeroCopyUnpickler": "pickler",
+    **dict.fromkeys(("BACKENDS", "Snapshot", "dump", "dumps", "freeze", "load", "loads", "read_header", "scan"),
+                    "snapshot"),
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zerocopy_pickle' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "BACKENDS",

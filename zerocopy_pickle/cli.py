@@ -2,7 +2,11 @@
 
 zerocopy-pickle inspect FILE [--json] [--buffers N]
 zerocopy-pickle convert IN OUT [--trusted] [--fsync]
-zerocopy-pickle demo [--size-mb N] [--repeat N] [--dir DIR]
+zerocopy-pickle demo [--size tiny|sd15] [--repeat N] [--dir DIR] [--snapshot [--size-mb N]]
+zerocopy-pickle serve [--max-bytes N] [--persist DIR] | status [--json] | stop | clear
+
+Snapshot modules are imported inside the commands that need them: ``serve`` (the model cache's server) must
+not import torch.
 """
 
 from __future__ import annotations
@@ -13,12 +17,11 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from . import format as fmt
 from .errors import ZeroCopyPickleError
-from .restricted import format_global
-from .snapshot import Snapshot, dump, scan
 
 __all__ = ["main"]
 
@@ -33,6 +36,9 @@ def _human(nbytes: int) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from .restricted import format_global
+    from .snapshot import Snapshot, scan
+
     with Snapshot.open(args.file) as snap:
         header = snap.header
     globals_needed = scan(args.file)
@@ -117,6 +123,8 @@ def _torch_load(path: str, *, weights_only: bool) -> Any:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from .snapshot import Snapshot, dump
+
     kind = _sniff(args.input)
     if kind == "snapshot":
         raise ZeroCopyPickleError(f"{args.input} is already a zerocopy_pickle snapshot")
@@ -146,9 +154,66 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from . import demo
+    if args.snapshot:
+        from . import demo
 
-    return demo.run(size_mb=args.size_mb, repeat=args.repeat, directory=args.dir)
+        return demo.run(size_mb=args.size_mb, repeat=args.repeat, directory=args.dir)
+    from .cache.scenario import run_demo
+
+    return run_demo(size=args.size, runs=args.repeat, directory=args.dir)
+
+
+def _size(text: str) -> int:
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    number = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = number[-1] if number and number[-1] in units else ""
+    try:
+        return int(float(number[: len(number) - len(unit)]) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 8G, 512M or 1000000") from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .cache.server import serve
+
+    serve(max_bytes=args.max_bytes, persist=Path(args.persist) if args.persist else None)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from . import cache
+
+    info = cache.status()
+    if args.json:
+        json.dump(info, sys.stdout, indent=2)
+        print()
+        return 0
+    budget = _human(info["max_bytes"]) if info["max_bytes"] else "unbounded"
+    print(
+        f"zerocopy_pickle cache: server pid {info['pid']}, loader pid {info['loader_pid']}\n"
+        f"  {len(info['entries'])} entries, {_human(info['total_bytes'])} in {info['segments']} segments "
+        f"({_human(info['logical_bytes'])} before sharing), budget {budget}\n"
+        f"  hits {info['hits']}, misses {info['misses']}, evictions {info['evictions']}"
+        + (f"\n  persisted in {info['persist']}" if info["persist"] else "")
+    )
+    for entry in info["entries"]:
+        print(f"  {entry['key'][:12]}  {_human(entry['nbytes']):>10}  hits {entry['hits']:>5}  {entry['call']}")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from . import cache
+
+    cache.stop()
+    print("zerocopy_pickle cache stopped")
+    return 0
+
+
+def _clear(args: argparse.Namespace) -> int:
+    from . import cache
+
+    print(f"zerocopy_pickle cache: dropped {cache.clear()} entries")
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -175,9 +240,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fsync", action="store_true", help="flush the snapshot to stable storage")
     p.set_defaults(func=_convert)
 
-    p = sub.add_parser("demo", help="dump and load a model built locally, timed against torch.load and safetensors")
-    p.add_argument("--size-mb", type=int, default=256, help="approximate size of the demo model (default 256)")
-    p.add_argument("--repeat", type=int, default=5, help="timed repetitions per method (default 5)")
+    p = sub.add_parser("serve", help="run the model cache server in the foreground")
+    p.add_argument("--max-bytes", type=_size, default=None, help="evict LRU entries beyond this size (e.g. 16G)")
+    p.add_argument("--persist", default=None, metavar="DIR", help="keep entries on disk here; restart warm")
+    p.set_defaults(func=_serve)
+    p = sub.add_parser("status", help="show the cache server's entries, sizes, hits and misses")
+    p.add_argument("--json", action="store_true", help="print a JSON report")
+    p.set_defaults(func=_status)
+    p = sub.add_parser("stop", help="stop the cache server")
+    p.set_defaults(func=_stop)
+    p = sub.add_parser("clear", help="drop every entry of the cache server")
+    p.set_defaults(func=_clear)
+
+    p = sub.add_parser(
+        "demo",
+        help="build a ControlNet pipeline locally and run the seed scenario plain and through the model cache; "
+        "with --snapshot, dump and load a model timed against torch.load and safetensors",
+    )
+    p.add_argument("--snapshot", action="store_true", help="run the snapshot demo instead of the cache demo")
+    p.add_argument("--size", choices=("tiny", "sd15"), default="tiny", help="the cache demo's pipeline (default tiny)")
+    p.add_argument("--size-mb", type=int, default=256, help="size of the snapshot demo's model in MiB (default 256)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per variant or method (default 3)")
     p.add_argument("--dir", default=None, help="directory for the files (default: a temporary one)")
     p.set_defaults(func=_demo)
     return parser

@@ -15,6 +15,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 
 from .snapshot import dump, freeze, load
 
-__all__ = ["TinyGPT", "build_model", "run"]
+__all__ = ["TinyGPT", "build_controlnet_pipeline", "build_model", "run"]
 
 
 class TinyGPT(nn.Module):
@@ -149,3 +150,87 @@ def _run(size_mb: int, repeat: int, tmp: str) -> int:
     print(f"of the whole module allowed exactly {len(allow)} classes/functions.")
     snap.close()
     return 0
+
+
+def build_controlnet_pipeline(
+    directory: str | os.PathLike[str], *, size: str = "tiny", seed: int = 0
+) -> dict[str, str]:
+    """Build a StableDiffusionControlNetPipeline locally (random weights, no download) and save it.
+
+    Args:
+        directory: where to write ``pipeline/`` (the whole pipeline, with one ControlNet) and
+            ``controlnet-edge/`` and ``controlnet-depth/`` (two more ControlNets).
+        size: ``"tiny"`` (a few MiB, for tests and the demo) or ``"sd15"`` (diffusers' default UNet, two
+            ControlNets made from it, a ViT-L text encoder and the default VAE, saved in float16: about 3.6 GB).
+        seed: the random seed of the weights.
+
+    Returns:
+        The paths: ``{"pipeline": ..., "edge": ..., "depth": ...}``.
+    """
+    from diffusers import (
+        AutoencoderKL,
+        ControlNetModel,
+        DDIMScheduler,
+        StableDiffusionControlNetPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    torch.manual_seed(seed)
+    vocab = {"<|startoftext|>": 0, "!": 1, "<|endoftext|>": 2, **{f"{c}</w>": 3 + i for i, c in enumerate("abcdefgh")}}
+    if size == "tiny":
+        unet = UNet2DConditionModel(
+            block_out_channels=(4, 8), layers_per_block=1, sample_size=16, in_channels=4, out_channels=4,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32, norm_num_groups=1,
+        )  # fmt: skip
+        controlnet_kwargs = {"conditioning_embedding_out_channels": (8, 16)}
+        vae = AutoencoderKL(
+            block_out_channels=[4, 8], in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=2,
+            down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+        )  # fmt: skip
+        text_config = CLIPTextConfig(
+            hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2, vocab_size=1000,
+            bos_token_id=0, eos_token_id=2, pad_token_id=1,
+        )  # fmt: skip
+        dtype = torch.float32
+    elif size == "sd15":
+        unet = UNet2DConditionModel()  # diffusers' defaults: the SD 1.x UNet layout
+        controlnet_kwargs = {}
+        vae = AutoencoderKL(
+            block_out_channels=[128, 256, 512, 512], latent_channels=4, down_block_types=["DownEncoderBlock2D"] * 4,
+            up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=2,
+        )  # fmt: skip
+        text_config = CLIPTextConfig(  # ViT-L/14's text tower, as in SD 1.5
+            hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+            vocab_size=49408, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu",
+        )  # fmt: skip
+        dtype = torch.float16
+    else:
+        raise ValueError(f"size must be 'tiny' or 'sd15', not {size!r}")
+    edge = ControlNetModel.from_unet(unet, **controlnet_kwargs)
+    depth = ControlNetModel.from_unet(unet, **controlnet_kwargs)
+    for module in (edge, depth):  # distinct weights: from_unet copies the UNet's
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.01)
+    pipe: Any = StableDiffusionControlNetPipeline(
+        vae=vae, text_encoder=CLIPTextModel(text_config), tokenizer=CLIPTokenizer(vocab=vocab, merges=[]), unet=unet,
+        controlnet=edge, scheduler=DDIMScheduler(), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False,
+    )  # fmt: skip
+    root = Path(directory)
+    paths = {"pipeline": str(root / "pipeline"), "edge": str(root / "controlnet-edge"),
+             "depth": str(root / "controlnet-depth")}  # fmt: skip
+    from diffusers.utils import logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # `.to(dtype)` on a ControlNet warns about upcasting: irrelevant here
+    try:
+        pipe.to(dtype)
+        pipe.save_pretrained(paths["pipeline"])
+        edge.to(dtype).save_pretrained(paths["edge"])
+        depth.to(dtype).save_pretrained(paths["depth"])
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    return paths

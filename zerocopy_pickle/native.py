@@ -10,7 +10,8 @@ where it measurably pays (``benchmarks/native.py``):
   copies the archive four times (``BytesIO``, ``bytes``, ``std::string``, ``std::istringstream``) before
   importing it: for a 128 MiB archive, peak RSS +645 MiB against +133 MiB and 5 to 8 times the time.
 
-:func:`backend` says which implementation is active. ``ZEROCOPY_PICKLE_NATIVE`` chooses, read once at import:
+:func:`backend` says which implementation is active. ``ZEROCOPY_PICKLE_NATIVE`` chooses, read once when this
+module is imported (by the first use of the snapshot API: ``import zerocopy_pickle`` alone does not import it):
 
 * ``0`` or ``python``: always Python.
 * ``1`` or ``native``: always native. The helpers are built (or loaded from the cache) at import; if that

@@ -1,0 +1,143 @@
+"""Helpers for the model-cache tests: a server in a private temporary directory, tiny models, client scripts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .conftest import REPO, run_python
+
+
+class ServerProcess:
+    """``zerocopy-pickle serve`` in its own private directory."""
+
+    def __init__(self, directory: Path, *args: str) -> None:
+        self.directory = directory
+        self.env = {"ZEROCOPY_PICKLE_CACHE_DIR": str(directory), "PYTHONPATH": str(REPO)}
+        self.log = open(directory.parent / f"{directory.name}.log", "ab")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "zerocopy_pickle.cache", "serve", *args],
+            env={**os.environ, **self.env},
+            stdout=self.log,
+            stderr=self.log,
+            cwd=REPO,
+        )
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"the server exited: {self.read_log()}")
+            with contextlib.suppress(Exception):
+                self.request("ping")
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"the server did not start: {self.read_log()}")
+
+    def request(self, op: str) -> dict[str, Any]:
+        from zerocopy_pickle.cache.client import Client
+
+        with Client(self.directory / "server.sock", timeout=30) as client:
+            reply, _, fds = client.request({"op": op})
+        for fd in fds:
+            os.close(fd)
+        return reply
+
+    def status(self) -> dict[str, Any]:
+        return dict(self.request("status")["status"])
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def open_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def rss(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def read_log(self) -> str:
+        self.log.flush()
+        return (self.directory.parent / f"{self.directory.name}.log").read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.log.close()
+
+
+@contextlib.contextmanager
+def private_dir() -> Iterator[Path]:
+    """A short private directory (Unix socket paths are limited to 107 bytes)."""
+    parent = Path(tempfile.mkdtemp(prefix="zcp-"))
+    directory = parent / "cache"
+    directory.mkdir(mode=0o700)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def run_client(server: ServerProcess, code: str, *args: str, check: bool = True) -> dict[str, Any]:
+    """Run a client script (it prints one JSON object as its last line) against ``server``."""
+    proc = run_python(code, *args, env=server.env, check=check)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise AssertionError(f"the client printed no result:\n{proc.stdout}\n{proc.stderr}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    result["stderr"] = proc.stderr
+    return result
+
+
+def build_gpt2(directory: Path, seed: int = 0) -> str:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=1))
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+# Loaders the tests route through the cache as patch points ("tests.cache_helpers:slow_load").
+
+
+def slow_load(path: str, seconds: float = 4.0) -> dict[str, Any]:
+    """Loads a torch.save file slowly (so a test can kill the server while the loader works)."""
+    import torch
+
+    time.sleep(seconds)
+    return {"state": torch.load(path, weights_only=True), "path": path}
+
+
+def crash_in_loader(path: str) -> dict[str, Any]:
+    """Kills the process that runs it when that is the cache's loader; loads normally elsewhere."""
+    import torch
+
+    if os.environ.get("ZEROCOPY_PICKLE_CACHE_LOADER"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"state": torch.load(path, weights_only=True)}

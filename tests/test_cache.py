@@ -1,0 +1,472 @@
+"""The model cache, end to end: a real server, real tiny models, client processes.
+
+Every client runs in a fresh interpreter (as users run their programs) against a server in a private
+temporary directory; the tiny GPT2 and StableDiffusionControlNetPipeline are built here with save_pretrained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerocopy_pickle.cache import protocol
+from zerocopy_pickle.cache.server import Server
+from zerocopy_pickle.demo import build_controlnet_pipeline
+
+from .cache_helpers import ServerProcess, build_gpt2, private_dir, run_client
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+GPT2_CLIENT = """
+import json, sys, time, warnings
+warnings.simplefilter("always")
+import torch
+from zerocopy_pickle import cache
+cache.patch_all(autostart=False)
+from transformers import GPT2LMHeadModel
+paths = sys.argv[1:]
+out = []
+for path in paths:
+    start = time.perf_counter()
+    model = GPT2LMHeadModel.from_pretrained(path)
+    seconds = time.perf_counter() - start
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 4]])).logits
+    out.append({"sum": float(logits.double().sum()), "first": logits[0, 0, :4].tolist(), "key": cache.cached_key(model),
+                "seconds": seconds})
+print(json.dumps({"loads": out}))
+"""
+
+PIPELINE_CLIENT = """
+import json, sys, warnings
+warnings.simplefilter("always")
+import torch
+patched, mode, pipeline_path, edge_path, depth_path = sys.argv[1:6]
+if patched == "cache":
+    from zerocopy_pickle import cache
+    cache.patch_all(autostart=False)
+from diffusers import AutoencoderKL, ControlNetModel, StableDiffusionControlNetPipeline
+from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+vae = AutoencoderKL.from_pretrained(pipeline_path, subfolder="vae")
+edge = ControlNetModel.from_pretrained(edge_path)
+depth = ControlNetModel.from_pretrained(depth_path)
+kwargs = {"vae": vae, "safety_checker": None}
+if mode == "wrapper":
+    kwargs["controlnet"] = controlnet = MultiControlNetModel([edge, depth])
+pipe = StableDiffusionControlNetPipeline.from_pretrained(pipeline_path, **kwargs)
+net = pipe.controlnet.nets[1] if mode == "wrapper" else pipe.controlnet
+torch.manual_seed(0)
+latents = torch.randn(1, 4, 8, 8)
+with torch.no_grad():
+    decoded = pipe.vae.decode(latents).sample
+    hidden = pipe.text_encoder(torch.tensor([[0, 3, 4, 2]]))[0]
+    noise = pipe.unet(latents, 1, encoder_hidden_states=hidden).sample
+    down, mid = net(latents, 1, encoder_hidden_states=hidden, controlnet_cond=torch.zeros(1, 3, 16, 16),
+                    return_dict=False)
+print(json.dumps({
+    "vae_is_vae": pipe.vae is vae,
+    "nets_are_args": [pipe.controlnet.nets[0] is edge, pipe.controlnet.nets[1] is depth] if mode == "wrapper" else [],
+    "wrapper_is_arg": mode == "wrapper" and pipe.controlnet is controlnet,
+    "outputs": [float(t.double().sum()) for t in (decoded, hidden, noise, mid)],
+    "unet_weight": float(pipe.unet.conv_in.weight.double().sum()),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    paths = build_controlnet_pipeline(root / "controlnet", size="tiny")
+    paths["gpt2"] = build_gpt2(root / "gpt2")
+    paths["gpt2_b"] = build_gpt2(root / "gpt2-b", seed=1)
+    paths["gpt2_c"] = build_gpt2(root / "gpt2-c", seed=2)
+    torch.save({"w": torch.arange(1000.0), "b": torch.ones(3)}, root / "state.pt")
+    paths["state"] = str(root / "state.pt")
+    return paths
+
+
+@pytest.fixture
+def server() -> Iterator[ServerProcess]:
+    with private_dir() as directory:
+        process = ServerProcess(directory)
+        try:
+            yield process
+        finally:
+            process.stop()
+
+
+def test_gpt2_miss_then_hit_with_identical_outputs(server: ServerProcess, models: dict[str, str]) -> None:
+    first = run_client(server, GPT2_CLIENT, models["gpt2"])["loads"][0]
+    assert server.status()["misses"] == 1
+    second = run_client(server, GPT2_CLIENT, models["gpt2"], models["gpt2"])["loads"]
+    status = server.status()
+    assert status["hits"] == 2 and status["misses"] == 1
+    assert len(status["entries"]) == 1 and status["entries"][0]["call"].startswith("GPT2LMHeadModel.from_pretrained")
+    for load in second:
+        assert load["sum"] == first["sum"] and load["first"] == first["first"]
+        assert load["key"] == first["key"]
+    plain = run_client(server, GPT2_CLIENT.replace("cache.patch_all(autostart=False)", "pass"), models["gpt2"])
+    assert plain["loads"][0]["sum"] == first["sum"]
+
+
+def test_a_changed_file_is_a_miss(server: ServerProcess, models: dict[str, str], tmp_path: Path) -> None:
+    import shutil
+
+    path = tmp_path / "gpt2"
+    shutil.copytree(models["gpt2"], path)
+    before = run_client(server, GPT2_CLIENT, str(path))["loads"][0]
+    run_client(server, GPT2_CLIENT, str(path))
+    assert server.status()["hits"] == 1
+    # Replace the weights with another model's (a retrained checkpoint, same names and sizes).
+    shutil.copy(Path(models["gpt2_b"]) / "model.safetensors", path / "model.safetensors")
+    after = run_client(server, GPT2_CLIENT, str(path))["loads"][0]
+    assert server.status()["misses"] == 2
+    assert after["key"] != before["key"] and after["sum"] != before["sum"]
+
+
+@pytest.mark.parametrize("mode", ["vae", "wrapper"])
+def test_controlnet_pipeline_seed_scenario(server: ServerProcess, models: dict[str, str], mode: str) -> None:
+    """Load a VAE, two ControlNets, then the pipeline with vae=vae (and the ControlNets in a wrapper)."""
+    args = (mode, models["pipeline"], models["edge"], models["depth"])
+    plain = run_client(server, PIPELINE_CLIENT, "plain", *args)
+    first = run_client(server, PIPELINE_CLIENT, "cache", *args)
+    status = server.status()
+    assert (status["hits"], status["misses"]) == (0, 4)  # vae, two ControlNets, the pipeline
+    second = run_client(server, PIPELINE_CLIENT, "cache", *args)
+    status = server.status()
+    assert (status["hits"], status["misses"]) == (4, 4), status  # the wrapped arguments hit too
+    for run in (first, second):
+        assert run["outputs"] == plain["outputs"] and run["unet_weight"] == plain["unet_weight"]
+        assert run["vae_is_vae"]
+        if mode == "wrapper":
+            assert run["wrapper_is_arg"] and run["nets_are_args"] == [True, True]
+
+    # Nothing is stored twice: the arguments travel as references, and the pipeline's own ControlNet (the same
+    # bytes as the edge ControlNet) is found in the edge entry's segment and referenced there.
+    def weights(*parts: str) -> int:
+        return sum(f.stat().st_size for f in Path(*parts).glob("*.safetensors"))
+
+    distinct = sum(weights(models["pipeline"], part) for part in ("vae", "unet", "text_encoder"))
+    distinct += weights(models["edge"]) + weights(models["depth"])
+    assert status["total_bytes"] <= distinct * 1.05
+    if mode == "vae":
+        assert status["total_bytes"] < status["logical_bytes"]
+    assert "CacheWarning" not in second["stderr"]
+
+
+def test_identical_storages_are_stored_once(server: ServerProcess, models: dict[str, str]) -> None:
+    code = """
+import json, sys, torch
+from zerocopy_pickle import cache
+cache.patch_all(autostart=False)
+from diffusers import ControlNetModel
+a = ControlNetModel.from_pretrained(sys.argv[1])
+b = ControlNetModel.from_pretrained(sys.argv[1], torch_dtype=torch.float32)  # another key, the same bytes
+print(json.dumps({"equal": all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters())),
+                  "keys": [cache.cached_key(a), cache.cached_key(b)]}))
+"""
+    result = run_client(server, code, models["edge"])
+    assert result["equal"] and result["keys"][0] != result["keys"][1]
+    status = server.status()
+    assert len(status["entries"]) == 2
+    assert status["total_bytes"] <= status["entries"][0]["nbytes"] + 64 * 1024  # the second entry added nothing
+    assert status["logical_bytes"] >= 2 * status["entries"][0]["nbytes"]
+
+
+def test_sixteen_clients_twenty_loads_each(server: ServerProcess, models: dict[str, str]) -> None:
+    expected = run_client(server, GPT2_CLIENT, models["gpt2"])["loads"][0]["sum"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", GPT2_CLIENT, *([models["gpt2"]] * 20)],
+            env={**os.environ, **server.env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+        for _ in range(16)
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err
+        loads = json.loads(out.strip().splitlines()[-1])["loads"]
+        assert len(loads) == 20 and all(load["sum"] == expected for load in loads)
+        assert "CacheWarning" not in err
+    assert server.status()["hits"] == 16 * 20
+
+
+def test_server_killed_mid_request_clients_fall_back(server: ServerProcess, models: dict[str, str]) -> None:
+    code = """
+import json, sys, warnings, torch
+warnings.simplefilter("always")
+from zerocopy_pickle import cache
+cache.patch_all(["tests.cache_helpers:slow_load"], autostart=False)
+from tests import cache_helpers
+result = cache_helpers.slow_load(sys.argv[1], 3.0)
+print(json.dumps({"sum": float(result["state"]["w"].sum()), "cached": cache.cached_key(result) is not None}))
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, models["state"]], env={**os.environ, **server.env},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while server.status()["misses"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    server.kill()  # while the loader works on the client's miss
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result == {"sum": float(sum(range(1000))), "cached": False}
+    assert "CacheWarning" in err and "loading directly" in err
+
+
+def test_no_server_loads_directly_and_warns_once(models: dict[str, str]) -> None:
+    with private_dir() as directory:
+        env = {"ZEROCOPY_PICKLE_CACHE_DIR": str(directory), "PYTHONPATH": str(REPO)}
+        from .conftest import run_python
+
+        proc = run_python(GPT2_CLIENT, models["gpt2"], models["gpt2_b"], env=env)
+    loads = json.loads(proc.stdout.strip().splitlines()[-1])["loads"]
+    assert all(load["key"] is None for load in loads)
+    assert proc.stderr.count("CacheWarning") == 1
+
+
+def test_loader_crash_is_reported_and_the_server_stays_up(server: ServerProcess, models: dict[str, str]) -> None:
+    code = """
+import json, sys, warnings, torch
+warnings.simplefilter("always")
+from zerocopy_pickle import cache
+cache.patch_all(["tests.cache_helpers:crash_in_loader"], autostart=False)
+from tests import cache_helpers
+result = cache_helpers.crash_in_loader(sys.argv[1])
+print(json.dumps({"sum": float(result["state"]["w"].sum())}))
+"""
+    result = run_client(server, code, models["state"])
+    assert result["sum"] == float(sum(range(1000)))
+    assert "loader process died" in result["stderr"]
+    assert server.request("ping")["ok"]
+    assert run_client(server, GPT2_CLIENT, models["gpt2"])["loads"][0]["key"] is not None  # still serving
+
+
+def test_torch_load_and_load_file_are_cached(server: ServerProcess, models: dict[str, str], tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.arange(10.0)}, tmp_path / "w.safetensors")
+    code = """
+import json, sys, torch
+from zerocopy_pickle import cache
+cache.patch_all(autostart=False)
+from safetensors.torch import load_file
+state = torch.load(sys.argv[1], weights_only=True)
+tensors = load_file(sys.argv[2])
+print(json.dumps({"w": float(state["w"].sum()), "x": float(tensors["x"].sum()),
+                  "cached": [cache.cached_key(state) is not None, cache.cached_key(tensors) is not None]}))
+"""
+    for _ in range(2):
+        result = run_client(server, code, models["state"], str(tmp_path / "w.safetensors"))
+        assert result["w"] == float(sum(range(1000))) and result["x"] == 45.0
+    status = server.status()
+    assert (status["hits"], status["misses"]) == (2, 2)
+
+
+def test_clients_load_copy_on_write(server: ServerProcess, models: dict[str, str]) -> None:
+    code = """
+import json, sys, torch
+from zerocopy_pickle import cache
+cache.patch_all(autostart=False)
+from transformers import GPT2LMHeadModel
+a = GPT2LMHeadModel.from_pretrained(sys.argv[1])
+with torch.no_grad():
+    a.lm_head.weight.fill_(7.0)  # in place, in this client's private mapping
+b = GPT2LMHeadModel.from_pretrained(sys.argv[1])
+print(json.dumps({"b": float(b.lm_head.weight.double().sum()), "a": float(a.lm_head.weight.double().sum())}))
+sys.stdout.flush()
+sys.stdin.readline()  # stay alive while another client loads
+"""
+    baseline = run_client(server, GPT2_CLIENT, models["gpt2"])["loads"][0]
+    writer = subprocess.Popen(
+        [sys.executable, "-c", code, models["gpt2"]], env={**os.environ, **server.env}, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert writer.stdout is not None and writer.stdin is not None
+    line = json.loads(writer.stdout.readline())
+    assert line["a"] != line["b"]
+    other = run_client(server, GPT2_CLIENT, models["gpt2"])["loads"][0]
+    assert other["sum"] == baseline["sum"]  # the writer's change never reached another client
+    writer.stdin.write("\n")
+    writer.stdin.flush()
+    writer.communicate(timeout=60)
+
+
+def test_killed_clients_leak_nothing_in_the_server(server: ServerProcess, models: dict[str, str]) -> None:
+    run_client(server, GPT2_CLIENT, models["gpt2"])  # an entry to ask for
+    key = server.status()["entries"][0]["key"]
+    baseline_fds = server.open_fds()
+    baseline_rss = server.rss()
+
+    def abandon() -> None:
+        # A client that asks for an entry and vanishes without reading the reply (fds in flight).
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(server.directory / "server.sock"))
+            protocol.send(sock, {"op": "get", "key": key, "call": {"function": "x:y", "cls": None}, "refs": []})
+
+    for _ in range(200):
+        abandon()
+    killed = subprocess.Popen(
+        [sys.executable, "-c", GPT2_CLIENT, *([models["gpt2"]] * 50)], env={**os.environ, **server.env},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+    )  # fmt: skip
+    time.sleep(4)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    time.sleep(1)
+    assert server.open_fds() <= baseline_fds + 2
+    assert server.rss() < baseline_rss + 32 * 2**20
+    assert run_client(server, GPT2_CLIENT, models["gpt2"])["loads"][0]["key"] == key
+
+
+def test_eviction_under_a_small_budget(models: dict[str, str]) -> None:
+    with private_dir() as directory:
+        probe = ServerProcess(directory)  # how much one model takes in the cache (its buffers included)
+        try:
+            run_client(probe, GPT2_CLIENT, models["gpt2"])
+            one_model = probe.status()["total_bytes"]
+        finally:
+            probe.stop()
+        server = ServerProcess(directory, "--max-bytes", str(int(one_model * 1.5)))
+        try:
+            run_client(server, GPT2_CLIENT, models["gpt2"], models["gpt2_b"], models["gpt2_c"])
+            status = server.status()
+            assert len(status["entries"]) == 1 and status["evictions"] == 2
+            assert status["total_bytes"] <= status["max_bytes"]
+            run_client(server, GPT2_CLIENT, models["gpt2"])  # evicted: a miss again, correct all the same
+            assert server.status()["misses"] == 4
+        finally:
+            server.stop()
+
+
+def test_warm_restart_from_persistence(models: dict[str, str], tmp_path: Path) -> None:
+    persist = tmp_path / "persist"
+    with private_dir() as directory:
+        server = ServerProcess(directory, "--persist", str(persist))
+        try:
+            first = run_client(server, GPT2_CLIENT, models["gpt2"])["loads"][0]
+        finally:
+            server.stop()
+        server = ServerProcess(directory, "--persist", str(persist))
+        try:
+            assert len(server.status()["entries"]) == 1
+            again = run_client(server, GPT2_CLIENT, models["gpt2"])["loads"][0]
+            status = server.status()
+            assert (status["hits"], status["misses"]) == (1, 0)
+            assert again["sum"] == first["sum"]
+        finally:
+            server.stop()
+
+
+def test_the_server_refuses_other_users_by_credentials() -> None:
+    with private_dir() as directory:
+        server = Server(directory / "server.sock")
+        server.bind()
+        assert server._listener is not None
+        serving = threading.Thread(target=server.serve_forever, daemon=True)
+        server._start_zygote = lambda: None  # type: ignore[method-assign]  # no loader needed here
+        serving.start()
+        try:
+            from zerocopy_pickle.cache import server as server_module
+
+            real = server_module.peer_credentials
+            server_module.peer_credentials = lambda sock: (1, os.getuid() + 1, 0)  # type: ignore[assignment]
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.connect(str(directory / "server.sock"))
+                    protocol.send(sock, {"op": "ping"})
+                    reply, _, _ = protocol.receive(sock)
+            finally:
+                server_module.peer_credentials = real
+            assert reply["ok"] is False and "may not use the cache" in reply["error"]
+        finally:
+            server.stop()
+            serving.join(timeout=10)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
+def test_another_users_process_is_refused(
+    server: ServerProcess, models: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nobody = 65534
+    sock_path = server.directory / "server.sock"
+    # Open the door at the file-system level (as a careless admin might) to reach the credential check.
+    os.chmod(server.directory.parent, 0o711)
+    os.chmod(server.directory, 0o755)
+    os.chmod(sock_path, 0o777)
+    try:
+        # A forked child that becomes uid 65534 (a fresh interpreter could not even start: the venv may live
+        # under a home directory that user cannot read), asks for the status and reports the reply in a pipe.
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(read_end)
+                os.setgid(nobody)
+                os.setuid(nobody)
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.connect(str(sock_path))
+                    # The server answers a foreign peer at once and hangs up: the request may meet a closed
+                    # socket, the refusal is waiting to be read all the same.
+                    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                        protocol.send(sock, {"op": "status"})
+                    answer, _, _ = protocol.receive(sock)
+                os.write(write_end, json.dumps(answer).encode())
+                code = 0
+            except BaseException as e:
+                os.write(write_end, repr(e).encode())
+            finally:
+                os._exit(code)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            output = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, output
+        reply = json.loads(output)
+        assert reply["ok"] is False and f"uid {nobody} may not use the cache" in reply["error"]
+        # And the client side refuses a cache directory that is not private.
+        monkeypatch.setenv(protocol.DIR_ENV, str(server.directory))
+        with pytest.raises(protocol.CacheError, match="accessible to other users"):
+            protocol.runtime_dir(create=False)
+    finally:
+        os.chmod(server.directory, 0o700)
+
+
+def test_cli_serve_status_clear_stop(models: dict[str, str]) -> None:
+    with private_dir() as directory:
+        server = ServerProcess(directory)
+        env = {**os.environ, **server.env}
+        run_client(server, GPT2_CLIENT, models["gpt2"])
+        cli = [sys.executable, "-m", "zerocopy_pickle.cache"]
+        status = subprocess.run([*cli, "status"], capture_output=True, text=True, env=env, cwd=REPO, check=True)
+        assert "1 entries" in status.stdout and "misses 1" in status.stdout
+        report = subprocess.run(
+            [*cli, "status", "--json"], capture_output=True, text=True, env=env, cwd=REPO, check=True
+        )
+        assert json.loads(report.stdout)["misses"] == 1
+        cleared = subprocess.run([*cli, "clear"], capture_output=True, text=True, env=env, cwd=REPO, check=True)
+        assert "dropped 1 entries" in cleared.stdout
+        subprocess.run([*cli, "stop"], capture_output=True, text=True, env=env, cwd=REPO, check=True)
+        server.process.wait(timeout=30)
+        assert server.process.returncode == 0
+        server.stop()

@@ -1,0 +1,162 @@
+"""The model cache's parts in isolation: the store (LRU, sharing, compaction, persistence), the private
+directory, keys, and what the server and the zygote import. The end-to-end behaviour is in test_cache.py."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_python
+from zerocopy_pickle.cache import loader, protocol
+from zerocopy_pickle.cache.client import describe
+from zerocopy_pickle.cache.store import _SEALS, Entry, Store
+
+
+def sealed_segment(data: bytes) -> int:
+    fd = os.memfd_create("test-segment", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, data)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    return fd
+
+
+def read_range(store: Store, row: list[Any]) -> bytes:
+    segment = store.segments[row[0]]
+    return os.pread(segment.fd, row[2], row[1])
+
+
+def entry(key: str, rows: list[tuple[int, int, int]]) -> Entry:
+    """An entry whose buffers are ``(segment, offset, nbytes)`` rows (segment 0: the segment sent with it)."""
+    return Entry(key, f"call {key}", b"stream", [[s, o, n, "cpu", f"digest-{s}-{o}"] for s, o, n in rows], [])
+
+
+PAGE = mmap.PAGESIZE
+
+
+def test_lru_eviction_keeps_the_newest_and_frees_segments() -> None:
+    store = Store(max_bytes=3 * PAGE)
+    for key in ("a", "b", "c"):
+        store.add(entry(key, [(0, 0, 2 * PAGE)]), sealed_segment(key.encode() * 2 * PAGE))
+        store.get(key)
+    assert list(store.entries) == ["c"]  # each needs two pages of the three: only the newest fits
+    assert store.evictions == 2 and store.total_bytes() == 2 * PAGE and len(store.segments) == 1
+    store.close()
+
+
+def test_get_refreshes_recency() -> None:
+    store = Store(max_bytes=5 * PAGE)
+    store.add(entry("a", [(0, 0, 2 * PAGE)]), sealed_segment(b"a" * 2 * PAGE))
+    store.add(entry("b", [(0, 0, 2 * PAGE)]), sealed_segment(b"b" * 2 * PAGE))
+    assert store.get("a") is not None  # a is now the most recently used
+    store.add(entry("c", [(0, 0, 2 * PAGE)]), sealed_segment(b"c" * 2 * PAGE))
+    assert sorted(store.entries) == ["a", "c"]
+    store.close()
+
+
+def test_shared_segment_is_compacted_instead_of_kept_whole() -> None:
+    store = Store(max_bytes=6 * PAGE)
+    big = b"A" * (4 * PAGE) + b"shared-bytes" + b"\0" * (PAGE - 12)
+    store.add(entry("a", [(0, 0, 4 * PAGE), (0, 4 * PAGE, 12)]), sealed_segment(big))
+    segment_a = next(iter(store.segments))
+    # b uses a's small buffer (deduplicated) and brings 1 page of its own.
+    store.add(entry("b", [(segment_a, 4 * PAGE, 12), (0, 0, PAGE)]), sealed_segment(b"B" * PAGE))
+    store.add(entry("c", [(0, 0, 3 * PAGE)]), sealed_segment(b"C" * 3 * PAGE))
+    # 5 + 1 + 3 pages > 6: evicting a alone would leave its 5-page segment alive for b's 12 bytes.
+    assert sorted(store.entries) == ["b", "c"]
+    assert segment_a not in store.segments
+    assert store.total_bytes() <= store.max_bytes
+    b_rows = store.entries["b"].buffers
+    assert read_range(store, b_rows[0]) == b"shared-bytes" and read_range(store, b_rows[1]) == b"B" * PAGE
+    compacted = store.segments[b_rows[0][0]]
+    assert compacted.nbytes < PAGE and fcntl.fcntl(compacted.fd, fcntl.F_GET_SEALS) & _SEALS == _SEALS
+    # A load that started before the compaction refers to the old range: it is repointed, not refused.
+    late = store.add(entry("d", [(segment_a, 4 * PAGE, 12)]), None)
+    assert read_range(store, late.buffers[0]) == b"shared-bytes"
+    store.close()
+
+
+def test_entry_referring_to_a_freed_segment_is_refused() -> None:
+    store = Store()
+    with pytest.raises(protocol.CacheError, match="gone"):
+        store.add(entry("x", [(42, 0, 10)]), None)
+    store.close()
+
+
+def test_unsealed_segment_is_refused() -> None:
+    store = Store()
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.write(fd, b"x" * 10)
+    with pytest.raises(protocol.CacheError, match="not sealed"):
+        store.add(entry("x", [(0, 0, 10)]), fd)
+    store.close()
+
+
+def test_persistence_round_trip_and_damaged_directory(tmp_path: Path) -> None:
+    store = Store(persist=tmp_path)
+    store.add(entry("a", [(0, 0, 5)]), sealed_segment(b"hello"))
+    store.close()
+    again = Store(persist=tmp_path)
+    assert list(again.entries) == ["a"] and read_range(again, again.entries["a"].buffers[0]) == b"hello"
+    again.close()
+    (tmp_path / "index.json").write_text("{not json")
+    cold = Store(persist=tmp_path)  # damaged: starts cold instead of failing
+    assert not cold.entries and not cold.segments
+    cold.close()
+
+
+def test_runtime_dir_refuses_unsafe_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    private = tmp_path / "private"
+    monkeypatch.setenv(protocol.DIR_ENV, str(private))
+    assert protocol.runtime_dir() == private and (private.stat().st_mode & 0o777) == 0o700
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o755)
+    os.chmod(open_dir, 0o755)
+    monkeypatch.setenv(protocol.DIR_ENV, str(open_dir))
+    with pytest.raises(protocol.CacheError, match="accessible to other users"):
+        protocol.runtime_dir()
+    link = tmp_path / "link"
+    link.symlink_to(private)
+    monkeypatch.setenv(protocol.DIR_ENV, str(link))
+    with pytest.raises(protocol.CacheError, match="not a plain directory"):
+        protocol.runtime_dir()
+
+
+def test_key_follows_file_changes(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "model"
+    checkpoint.mkdir()
+    weights = checkpoint / "weights.bin"
+    weights.write_bytes(b"one")
+    point = "torch.serialization:load"
+    first = describe(point, None, (str(checkpoint),), {})["key"]
+    assert describe(point, None, (str(checkpoint),), {})["key"] == first  # stable
+    time.sleep(0.01)
+    weights.write_bytes(b"two")  # same size, new mtime
+    assert describe(point, None, (str(checkpoint),), {})["key"] != first
+    assert describe(point, None, (str(checkpoint),), {"mmap": True})["key"] != first
+
+
+def test_learnable_modules() -> None:
+    assert loader.learnable("diffusers.pipelines.controlnet.pipeline_controlnet")
+    assert loader.learnable("transformers.models.clip.modeling_clip")
+    assert not loader.learnable("diffusers_modules.local.my_pipeline")  # repository code: may change
+    assert not loader.learnable("transformers_modules.repo.abc.modeling_x")
+    assert not loader.learnable("my_company.models")
+    assert not loader.learnable("__main__")
+    assert "diffusers.models.modeling_utils" in loader.patch_point_modules()
+
+
+def test_server_side_imports_no_torch() -> None:
+    proc = run_python(
+        """
+        import sys
+        import zerocopy_pickle.cache.server, zerocopy_pickle.cli, zerocopy_pickle.cache
+        print(sorted(m for m in ("torch", "numpy", "diffusers", "transformers") if m in sys.modules))
+        """
+    )
+    assert json.loads(proc.stdout.strip().replace("'", '"')) == []

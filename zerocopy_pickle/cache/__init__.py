@@ -1,0 +1,95 @@
+"""The model cache: after the first call, ``from_pretrained`` (and ``torch.load``, ``load_file``) of any process
+of this user gets the model from shared memory in milliseconds.
+
+    from zerocopy_pickle import cache
+    cache.patch_all()          # before or after importing diffusers / transformers
+    pipe = StableDiffusionControlNetPipeline.from_pretrained(path, vae=vae, controlnet=[a, b])
+
+A server (``zerocopy-pickle serve``, or started on demand) holds each result as segments in sealed memfds;
+clients receive them over a private Unix socket and load them copy-on-write, zero-copy. A miss is loaded in a
+short-lived child of a zygote that imported the libraries once. Keys fingerprint local files, so a changed
+checkpoint is a miss; cached objects passed as arguments travel as references. The cache may make a load
+faster, never make it fail: without a server, the call loads directly. See ``docs/cache.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .protocol import CacheError, runtime_dir, socket_path
+
+if TYPE_CHECKING:
+    from .client import CacheWarning, Client, cached_key, start_server_in_background
+    from .patch import DEFAULT_PATCH_POINTS, patch_all, patched_points, unpatch_all
+
+# The client side imports torch; the server must not (it would cost it a second and hundreds of MiB): PEP 562.
+_LAZY = {
+    **dict.fromkeys(("CacheWarning", "Client", "cached_key", "start_server_in_background"), "client"),
+    **dict.fromkeys(("DEFAULT_PATCH_POINTS", "patch_all", "patched_points", "unpatch_all"), "patch"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zerocopy_pickle.cache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "DEFAULT_PATCH_POINTS",
+    "CacheError",
+    "CacheWarning",
+    "Client",
+    "cached_key",
+    "clear",
+    "patch_all",
+    "patched_points",
+    "runtime_dir",
+    "serve",
+    "socket_path",
+    "start_server_in_background",
+    "status",
+    "stop",
+    "unpatch_all",
+]
+
+
+def status() -> dict[str, Any]:
+    """The running server's entries, sizes, hits and misses.
+
+    Raises:
+        CacheError: no server is running.
+    """
+    from .client import Client
+
+    with Client() as client:
+        reply, _, _ = client.request({"op": "status"})
+    return dict(reply["status"])
+
+
+def clear() -> int:
+    """Drop every entry of the running server; return how many there were."""
+    from .client import Client
+
+    with Client() as client:
+        reply, _, _ = client.request({"op": "clear"})
+    return int(reply["cleared"])
+
+
+def stop() -> None:
+    """Stop the running server."""
+    from .client import Client
+
+    with Client() as client:
+        client.request({"op": "stop"})
+
+
+def serve(**kwargs: Any) -> None:
+    """Run a server in this process until stopped (see :func:`zerocopy_pickle.cache.server.serve`)."""
+    from .server import serve as run
+
+    run(**kwargs)

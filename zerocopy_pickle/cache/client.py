@@ -1,0 +1,322 @@
+"""The client side of the cache: keys, requests, loading entries, and falling back to a direct load.
+
+The cache may make a load faster, never make it fail: if the server is absent, dead, slow or broken, or a call
+cannot be keyed, :func:`cached_call` calls the original loader directly and warns once per cause.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .._version import __version__
+from . import entries
+from .loader import argument_slots
+from .protocol import CacheError, ProtocolError, receive, runtime_dir, send, socket_path
+
+__all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_result"]
+
+TIMEOUT_ENV = "ZEROCOPY_PICKLE_CACHE_TIMEOUT"
+MAX_FINGERPRINT_FILES = 100_000
+
+
+class CacheWarning(UserWarning):
+    """The cache could not serve a call, which was loaded directly instead (warned once per cause)."""
+
+
+class Uncacheable(CacheError):
+    """This call cannot be keyed (an argument that cannot be pickled, say): it is loaded directly."""
+
+
+# -- objects this process got from the cache, by identity ------------------------------------------------------
+
+_CACHED: dict[int, tuple[weakref.ref[Any], str]] = {}
+_CACHED_LOCK = threading.Lock()
+
+
+def register_result(obj: Any, key: str) -> None:
+    """Remember that ``obj`` is the cached result of ``key``, so that passing it as an argument travels as a
+    reference. Objects that cannot be weakly referenced are not remembered (they travel by value)."""
+    identity = id(obj)
+
+    def forget(_: object, identity: int = identity) -> None:
+        with _CACHED_LOCK:
+            _CACHED.pop(identity, None)
+
+    try:
+        ref = weakref.ref(obj, forget)
+    except TypeError:
+        return
+    with _CACHED_LOCK:
+        _CACHED[identity] = (ref, key)
+
+
+def cached_key(obj: Any) -> str | None:
+    """The key of the cache entry ``obj`` came from, if it came from one."""
+    with _CACHED_LOCK:
+        found = _CACHED.get(id(obj))
+    if found is not None and found[0]() is obj:
+        return found[1]
+    return None
+
+
+class _ArgumentPickler(entries.RefPickler):
+    """Pickles a call's arguments, replacing every cached object it meets by a reference (in meeting order)."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, [], by_value=True)
+        self.ref_objects: list[Any] = []
+        self.ref_keys: list[str] = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        key = cached_key(obj)
+        if key is not None:
+            index = self._ref_index.get(id(obj))
+            if index is None:
+                index = self._ref_index[id(obj)] = len(self.ref_objects)
+                self.ref_objects.append(obj)
+                self.ref_keys.append(key)
+            return entries.argument, (index,)
+        return super().reducer_override(obj)
+
+
+def _fingerprint(path: str) -> list[Any]:
+    """What identifies a local file or directory's contents: sizes, modification times and inodes of every
+    file in it (through symlinks, as a loader reads them)."""
+    root = Path(path)
+    if root.is_file():
+        st = root.stat()
+        return [["", st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]]
+    rows = []
+    for directory, _, files in os.walk(root):
+        for name in files:
+            file = Path(directory, name)
+            try:
+                st = file.stat()
+            except OSError:
+                continue
+            rows.append([str(file.relative_to(root)), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev])
+            if len(rows) > MAX_FINGERPRINT_FILES:
+                raise Uncacheable(f"{path} holds more than {MAX_FINGERPRINT_FILES} files")
+    return sorted(rows)
+
+
+def _local_paths(value: Any, found: dict[str, list[Any]], depth: int = 0) -> None:
+    if depth > 4:
+        return
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str):
+        if value and len(value) < 4096 and os.path.exists(value):
+            found.setdefault(os.path.realpath(value), _fingerprint(value))
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _local_paths(item, found, depth + 1)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _local_paths(item, found, depth + 1)
+
+
+def _library_version(module: str) -> str:
+    top = module.split(".", maxsplit=1)[0]
+    try:
+        return importlib.metadata.version(top)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The request for a call: its key, the function to run, the pickled arguments, the referenced entries.
+
+    The key is a BLAKE2b digest of: the patched function and the class it was called on; the arguments as
+    pickled, with cached objects replaced by their entries' keys; a fingerprint of every local file or directory
+    an argument names (size, mtime, inode of each file: a changed checkpoint is a different key); and the
+    versions of zerocopy_pickle, torch and the loader's library.
+
+    Raises:
+        Uncacheable: an argument cannot be pickled.
+    """
+    import io
+
+    out = io.BytesIO()
+    pickler = _ArgumentPickler(out)
+    try:
+        pickler.dump((args, kwargs))
+    except Exception as e:
+        raise Uncacheable(f"an argument cannot be pickled ({type(e).__name__}: {e})") from e
+    finally:
+        pickler.clear_memo()
+    stream = out.getvalue()
+    files: dict[str, list[Any]] = {}
+    _local_paths([list(args), kwargs], files)
+    module = point.partition(":")[0]
+    import torch
+
+    material = {
+        "point": point,
+        "cls": f"{cls.__module__}:{cls.__qualname__}" if cls is not None else None,
+        "args": hashlib.blake2b(stream, digest_size=32).hexdigest(),
+        "refs": pickler.ref_keys,
+        "files": files,
+        "versions": [__version__, torch.__version__, _library_version(module), sys.version_info[:2]],
+    }
+    key = hashlib.blake2b(json.dumps(material, sort_keys=True, default=str).encode(), digest_size=20).hexdigest()
+    name = f"{cls.__qualname__}.{point.rpartition('.')[2]}" if cls is not None else point.partition(":")[2]
+    shown = next((a for a in args if isinstance(a, (str, os.PathLike))), "")
+    return {
+        "key": key,
+        "call": {"function": point, "cls": material["cls"]},
+        "describe": f"{name}({os.fspath(shown)!r}{', ...' if len(args) + len(kwargs) > 1 else ''})",
+        "refs": pickler.ref_keys,
+        "payload": stream,
+        "ref_objects": pickler.ref_objects,
+    }
+
+
+class Client:
+    """A connection to the cache server."""
+
+    def __init__(self, path: Path | None = None, timeout: float = 5.0) -> None:
+        self.path = path or socket_path(create=False)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(str(self.path))
+        except OSError as e:
+            self.sock.close()
+            raise CacheError(f"no cache server at {self.path} ({e.strerror or e})") from e
+
+    def request(
+        self, header: dict[str, Any], payload: bytes = b"", timeout: float | None = None
+    ) -> tuple[dict[str, Any], bytes, list[int]]:
+        if timeout is not None:
+            self.sock.settimeout(timeout)
+        try:
+            send(self.sock, header, payload)
+            reply, data, fds = receive(self.sock)
+        except (OSError, ProtocolError) as e:
+            raise CacheError(f"the cache server did not answer ({type(e).__name__}: {e})") from e
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            raise CacheError(str(reply.get("error", "the cache server refused the request")))
+        return reply, data, fds
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_WARNED: set[str] = set()
+_state = threading.local()
+
+
+def _warn_once(cause: str, message: str) -> None:
+    if cause not in _WARNED:
+        _WARNED.add(cause)
+        warnings.warn(f"zerocopy_pickle cache: {message}; loading directly", CacheWarning, stacklevel=4)
+
+
+def _timeout() -> float:
+    try:
+        return float(os.environ.get(TIMEOUT_ENV, "3600"))
+    except ValueError:
+        return 3600.0
+
+
+def start_server_in_background(wait: float = 10.0) -> None:
+    """Start ``zerocopy-pickle serve`` as a detached process and wait until it answers."""
+    log = runtime_dir() / "server.log"
+    with open(log, "ab") as out:
+        subprocess.Popen(
+            [sys.executable, "-m", "zerocopy_pickle.cache", "serve"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            with Client(timeout=1.0) as client:
+                client.request({"op": "ping"})
+            return
+        except CacheError:
+            time.sleep(0.05)
+    raise CacheError(f"the cache server did not start within {wait:.0f} s (see {log})")
+
+
+def cached_call(
+    point: str,
+    cls: type | None,
+    original: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    autostart: bool = False,
+) -> Any:
+    """Serve ``original(*args, **kwargs)`` (called as ``cls.<method>`` when ``cls`` is given) from the cache.
+
+    Calls made while another cached call is running in this thread (a pipeline's own component loads, or a
+    direct load after a fallback) go straight to ``original``.
+    """
+    if getattr(_state, "depth", 0) or os.environ.get("ZEROCOPY_PICKLE_CACHE_LOADER"):
+        return original(*args, **kwargs)
+    _state.depth = 1
+    try:
+        try:
+            request = describe(point, cls, args, kwargs)
+        except Uncacheable as e:
+            _warn_once(f"uncacheable:{point}", str(e))
+            return original(*args, **kwargs)
+        try:
+            result = _fetch(request, args, kwargs, autostart=autostart)
+        except CacheError as e:
+            _warn_once(f"error:{type(e).__name__}", str(e))
+            return original(*args, **kwargs)
+        register_result(result, request["key"])
+        return result
+    finally:
+        _state.depth = 0
+
+
+def _fetch(request: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, autostart: bool) -> Any:
+    try:
+        client = Client()
+    except CacheError:
+        if not autostart:
+            raise
+        start_server_in_background()
+        client = Client()
+    with client:
+        header = {k: request[k] for k in ("key", "call", "describe", "refs")}
+        reply, stream, fds = client.request({"op": "get", **header}, request["payload"], timeout=_timeout())
+    try:
+        mappings = entries.map_segments(reply["segments"], fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    refs = request["ref_objects"] + argument_slots(args, kwargs)
+    try:
+        return entries.load_entry(stream, reply["buffers"], mappings, refs)
+    except CacheError:
+        raise
+    except Exception as e:
+        raise CacheError(f"the cached entry does not load here ({type(e).__name__}: {e})") from e

@@ -1,0 +1,184 @@
+"""Loading misses: a zygote that imported torch and the model libraries once, and a short-lived child per miss.
+
+Importing torch, transformers and diffusers takes seconds; paying it on every miss would make a first load
+several times slower than loading without the cache. So the server starts one *zygote* process that imports
+them (without touching CUDA) and then only waits. For each miss it forks a child, which starts with everything
+imported: the child rebuilds the call's cached arguments from their segments (zero-copy), calls the original
+loader, pickles the result with those arguments as references, writes each new storage once into a sealed
+memfd (a storage already in the cache, compared byte for byte, is referenced instead), sends the entry and the
+memfd back to the server, and exits, taking everything it allocated (and any CUDA context) with it.
+
+The zygote also *learns*. Libraries import most of their submodules lazily, and what a child imports dies with
+it; so the zygote imports the modules that define the patch points when it starts, the module of the function a
+job calls before it forks for it, and after each job the server
+passes on the model-library modules the child imported by itself (a pipeline's components, a tokenizer's
+backends). The next child starts with them.
+
+Run as ``python -m zerocopy_pickle.cache.loader FD``; the server does that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import os
+import signal
+import socket
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from ..registry import default_registry, resolve_name
+from . import entries
+from .protocol import CacheError, receive, send
+
+__all__ = ["LEARNABLE", "PRELOAD", "argument_slots", "learnable", "patch_point_modules", "zygote_main"]
+
+PRELOAD = ("torch", "safetensors.torch", "transformers", "diffusers")
+"""Imported by the zygote when installed, so that children start with them."""
+
+LEARNABLE = frozenset(
+    {"torch", "torchvision", "safetensors", "transformers", "diffusers", "accelerate", "bitsandbytes", "peft",
+     "tokenizers", "huggingface_hub", "sfast", "zerocopy_pickle", "zerocopy_pickle_quirks", "PIL", "numpy"}
+)  # fmt: skip
+"""Top-level packages whose submodules the zygote may import ahead of a job: libraries known not to start
+threads or touch devices at import. Anything else (a user's package, the dynamic ``diffusers_modules`` /
+``transformers_modules``, whose code may change between jobs) is imported by each child itself."""
+
+
+def learnable(name: str) -> bool:
+    return name.partition(".")[0] in LEARNABLE and all(part.isidentifier() for part in name.split("."))
+
+
+def patch_point_modules() -> list[str]:
+    """The modules that define the patch points (``ModelMixin``, ``DiffusionPipeline``, ``PreTrainedModel``...):
+    importing them is most of what a first ``from_pretrained`` costs, and every child needs them."""
+    from .patch import DEFAULT_PATCH_POINTS
+
+    points = [*DEFAULT_PATCH_POINTS, *(target for _, target in default_registry().patch_points())]
+    return [point.partition(":")[0] for point in points]
+
+
+def _preload(names: Sequence[str]) -> None:
+    for name in names:
+        if learnable(name) and name not in sys.modules:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+
+
+def argument_slots(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments a result may hold by identity (a module passed as ``vae=vae``), in a fixed order that
+    the client and the loader both compute. Immutable primitives are left out: identity means nothing there."""
+    values = [*args, *(kwargs[k] for k in sorted(kwargs))]
+    return [v for v in values if not isinstance(v, (str, bytes, int, float, complex, bool, type(None)))]
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def run_job(header: dict[str, Any], payload: bytes, result: socket.socket, segment_fds: Sequence[int]) -> None:
+    """Execute one miss in this (forked) process and send the entry to the server."""
+    modules_before = set(sys.modules)
+    segment_ids: list[int] = header["segments"]
+    private = entries.map_segments(segment_ids, segment_fds)
+    pristine = {i: entries.SegmentView(fd) for i, fd in zip(segment_ids, segment_fds, strict=True)}
+    ranges = [(_address(memoryview(m)), len(m), i) for i, m in private.items()]
+
+    def provenance(view: memoryview) -> tuple[int, int] | None:
+        try:
+            address = _address(view)
+        except TypeError:  # read-only: not a storage of ours
+            return None
+        for start, length, segment_id in ranges:
+            if start <= address < start + length:
+                return segment_id, address - start
+        return None
+
+    # Rebuild the cached objects the call refers to (dependencies first), then the call's arguments.
+    cursor = 0
+    rebuilt: dict[str, Any] = {}
+    for ref in header["refs"]:
+        args_stream = payload[cursor : cursor + ref["args_nbytes"]]
+        cursor += ref["args_nbytes"]
+        stream = payload[cursor : cursor + ref["stream_nbytes"]]
+        cursor += ref["stream_nbytes"]
+        ref_objects = [rebuilt[key] for key in ref["refs"]]
+        ref_args, ref_kwargs = entries.unpickle(args_stream, [], ref_objects)
+        slots = ref_objects + argument_slots(ref_args, ref_kwargs)
+        rebuilt[ref["key"]] = entries.load_entry(stream, ref["buffers"], private, slots)
+    call = header["call"]
+    call_refs = [rebuilt[key] for key in call["refs"]]
+    args, kwargs = entries.unpickle(payload[cursor:], [], call_refs)
+
+    function = resolve_name(call["function"])
+    if call.get("cls"):
+        function = getattr(resolve_name(call["cls"]), call["function"].rpartition(".")[2])
+    value = function(*args, **kwargs)
+
+    stream, views, specs = entries.pickle_with_refs(value, call_refs + argument_slots(args, kwargs), in_band=False)
+    index: dict[str, list[tuple[int, int, int]]] = {}
+    for digest, segment_id, offset, nbytes in header["index"]:
+        index.setdefault(digest, []).append((segment_id, offset, nbytes))
+    rows, new_fd = entries.build_segment(views, [s.location for s in specs], pristine, index, provenance)
+    imported = sorted(name for name in set(sys.modules) - modules_before if learnable(name))
+    try:
+        reply = {"ok": True, "buffers": rows, "imported": imported}
+        send(result, reply, stream, [new_fd] if new_fd is not None else [])
+    finally:
+        if new_fd is not None:
+            os.close(new_fd)
+
+
+def _child(header: dict[str, Any], payload: bytes, fds: list[int]) -> int:
+    result = socket.socket(fileno=fds[0])
+    try:
+        run_job(header, payload, result, fds[1:])
+        return 0
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            send(
+                result, {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-8000:]}
+            )
+        return 1
+
+
+def zygote_main(control_fd: int) -> None:
+    """Import the model libraries, then fork a child for each job the server sends, until it hangs up."""
+    control = socket.socket(fileno=control_fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel: no zombies
+    for name in PRELOAD:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    _preload(patch_point_modules())
+    send(control, {"op": "ready", "pid": os.getpid()})
+    while True:
+        try:
+            header, payload, fds = receive(control)
+        except (ConnectionError, CacheError, OSError):
+            break
+        if header.get("op") == "stop":
+            for fd in fds:
+                os.close(fd)
+            break
+        if header.get("op") == "preload":
+            _preload([str(name) for name in header.get("modules", [])])
+            continue
+        call = header.get("call", {})
+        _preload([str(call.get(name, "")).partition(":")[0] for name in ("function", "cls")])
+        pid = os.fork()
+        if pid == 0:  # the child: run the job and leave, never returning into the zygote's loop
+            code = 1
+            try:
+                control.close()
+                code = _child(header, payload, fds)
+            finally:
+                os._exit(code)
+        for fd in fds:
+            os.close(fd)
+
+
+if __name__ == "__main__":
+    zygote_main(int(sys.argv[1]))

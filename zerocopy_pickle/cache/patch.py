@@ -1,0 +1,150 @@
+"""Routing loaders through the cache: ``from_pretrained`` of diffusers and transformers, ``torch.load``,
+``safetensors.torch.load_file``, and every patch point plugins declare.
+
+A patch point is ``"module:Class.method"`` (a classmethod, called on any subclass) or ``"module:function"``.
+:func:`patch_all` patches the points whose modules are imported, and installs an import hook that patches the
+others when their module is first imported: it works before or after ``import diffusers``.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import inspect
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+from ..registry import default_registry
+from .client import cached_call
+
+__all__ = ["DEFAULT_PATCH_POINTS", "patch_all", "patched_points", "unpatch_all"]
+
+DEFAULT_PATCH_POINTS = (
+    "diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pretrained",
+    "diffusers.models.modeling_utils:ModelMixin.from_pretrained",
+    "diffusers.schedulers.scheduling_utils:SchedulerMixin.from_pretrained",
+    "transformers.modeling_utils:PreTrainedModel.from_pretrained",
+    "transformers.tokenization_utils_base:PreTrainedTokenizerBase.from_pretrained",
+    "transformers.models.auto.processing_auto:AutoProcessor.from_pretrained",
+    "torch.serialization:load",
+    "torch:load",
+    "safetensors.torch:load_file",
+)
+
+_lock = threading.RLock()
+_originals: dict[str, tuple[Any, str, Any]] = {}  # point -> (owner, attribute, original attribute value)
+_pending: set[str] = set()
+_options: dict[str, Any] = {"autostart": False}
+
+
+def _install(point: str, module: ModuleType) -> None:
+    if point in _originals:
+        return
+    _, _, qualname = point.partition(":")
+    owner: Any = module
+    *path, attribute = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    original = inspect.getattr_static(owner, attribute)
+    if isinstance(original, classmethod):
+        function = original.__func__
+
+        def patched_method(cls: type, *args: Any, **kwargs: Any) -> Any:
+            bound = function.__get__(cls, type(cls))
+            return cached_call(point, cls, bound, args, kwargs, autostart=_options["autostart"])
+
+        patched_method.__wrapped__ = function  # type: ignore[attr-defined]
+        replacement: Any = classmethod(patched_method)
+    elif callable(original):
+
+        def patched_function(*args: Any, **kwargs: Any) -> Any:
+            return cached_call(point, None, original, args, kwargs, autostart=_options["autostart"])
+
+        patched_function.__wrapped__ = original  # type: ignore[attr-defined]
+        replacement = patched_function
+    else:
+        return
+    _originals[point] = (owner, attribute, original)
+    setattr(owner, attribute, replacement)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches pending points right after their module is executed."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+        modules = {p.partition(":")[0] for p in _pending}
+        if fullname not in modules:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, wrapped: Any) -> None:
+        self._wrapped = wrapped
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        create: Callable[[Any], ModuleType | None] | None = getattr(self._wrapped, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._wrapped.exec_module(module)
+        with _lock:
+            for point in [p for p in _pending if p.partition(":")[0] == module.__name__]:
+                _pending.discard(point)
+                _install(point, module)
+
+
+_finder = _PatchOnImport()
+
+
+def patch_all(points: Sequence[str] | None = None, *, autostart: bool = True) -> list[str]:
+    """Route every patch point through the cache (now, or when its module is first imported).
+
+    Args:
+        points: the patch points; default: :data:`DEFAULT_PATCH_POINTS` and those plugins declare.
+        autostart: start ``zerocopy-pickle serve`` in the background when no server is running.
+
+    Returns:
+        The points patched so far (the others are patched on import).
+    """
+    if points is None:
+        points = [*DEFAULT_PATCH_POINTS, *(target for _, target in default_registry().patch_points())]
+    with _lock:
+        _options["autostart"] = autostart
+        for point in points:
+            module = sys.modules.get(point.partition(":")[0])
+            if module is not None:
+                _install(point, module)
+            else:
+                _pending.add(point)
+        if _pending and _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+        return sorted(_originals)
+
+
+def unpatch_all() -> None:
+    """Restore every patched loader and stop patching on import."""
+    with _lock:
+        for owner, attribute, original in _originals.values():
+            setattr(owner, attribute, original)
+        _originals.clear()
+        _pending.clear()
+        if _finder in sys.meta_path:
+            sys.meta_path.remove(_finder)
+
+
+def patched_points() -> list[str]:
+    """The patch points currently routed through the cache."""
+    with _lock:
+        return sorted(_originals)

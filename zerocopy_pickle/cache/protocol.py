@@ -1,0 +1,180 @@
+"""The wire between cache clients, the server and its loaders: a Unix socket in a private directory.
+
+Messages are a JSON header, an optional binary payload, and file descriptors passed with ``SCM_RIGHTS``::
+
+    u32 header length | u32 payload length | header (UTF-8 JSON) | payload
+
+The file descriptors travel with the first ``sendmsg`` of a message, so the receiver's first ``recvmsg`` of
+that message collects them.
+
+Who may talk to the server: the socket lives in a directory owned by the user, mode 0700 (other users cannot
+even reach it), and the server checks every connecting peer's credentials (``SO_PEERCRED``) against its own
+uid as a second wall. :func:`runtime_dir` refuses a directory that another user owns or that is open to others,
+so nobody can prepare a trap directory in advance.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import socket
+import stat
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import ZeroCopyPickleError
+
+__all__ = [
+    "MAX_FDS",
+    "CacheError",
+    "ProtocolError",
+    "peer_credentials",
+    "receive",
+    "runtime_dir",
+    "send",
+    "socket_path",
+]
+
+DIR_ENV = "ZEROCOPY_PICKLE_CACHE_DIR"
+MAX_FDS = 250  # the kernel accepts at most 253 per SCM_RIGHTS message
+MAX_HEADER = 64 << 20
+MAX_PAYLOAD = 1 << 34
+_PREFIX = struct.Struct("<II")
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class CacheError(ZeroCopyPickleError, RuntimeError):
+    """The model cache cannot serve a request (the client then loads directly)."""
+
+
+class ProtocolError(CacheError):
+    """A peer sent something that is not a message of this protocol, or hung up mid-message."""
+
+
+def runtime_dir(create: bool = True) -> Path:
+    """The per-user directory holding the server's socket (and its lock and log).
+
+    ``$ZEROCOPY_PICKLE_CACHE_DIR`` if set, else ``$XDG_RUNTIME_DIR/zerocopy_pickle``, else
+    ``/tmp/zerocopy_pickle-<uid>``. Created with mode 0700.
+
+    Raises:
+        CacheError: the directory is a symlink, belongs to another user, or is accessible to others.
+    """
+    configured = os.environ.get(DIR_ENV)
+    if configured:
+        path = Path(configured)
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "zerocopy_pickle"
+    else:
+        path = Path(f"/tmp/zerocopy_pickle-{os.getuid()}")
+    if create:
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=0o700, parents=True)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError as e:
+        raise CacheError(f"the cache directory {path} does not exist") from e
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise CacheError(f"the cache directory {path} is not a plain directory: refusing to use it")
+    if info.st_uid != os.getuid():
+        raise CacheError(f"the cache directory {path} belongs to uid {info.st_uid}, not to you: refusing to use it")
+    if info.st_mode & 0o077:
+        raise CacheError(
+            f"the cache directory {path} is accessible to other users (mode {stat.S_IMODE(info.st_mode):o}); "
+            f"it must be 0700: chmod 700 {path}"
+        )
+    return path
+
+
+def socket_path(create: bool = True) -> Path:
+    """Where the server listens."""
+    return runtime_dir(create) / "server.sock"
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+    pid, uid, gid = _CREDENTIALS.unpack(raw)
+    return pid, uid, gid
+
+
+def send(
+    sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b"", fds: Sequence[int] = ()
+) -> None:
+    """Send one message (the fds are duplicated into the receiver; the sender keeps its own).
+
+    Raises:
+        ProtocolError: too many fds.
+        OSError: the peer is gone.
+    """
+    if len(fds) > MAX_FDS:
+        raise ProtocolError(f"{len(fds)} file descriptors in one message; the limit is {MAX_FDS}")
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    payload = memoryview(payload).cast("B")
+    first = _PREFIX.pack(len(blob), payload.nbytes) + blob
+    if fds:
+        sent = sock.sendmsg([first], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        if sent < len(first):
+            sock.sendall(first[sent:])
+    else:
+        sock.sendall(first)
+    if payload.nbytes:
+        sock.sendall(payload)
+
+
+def receive(sock: socket.socket) -> tuple[dict[str, Any], bytes, list[int]]:
+    """Receive one message: ``(header, payload, fds)``. The caller owns (and must close) the fds.
+
+    Raises:
+        ProtocolError: the peer hung up mid-message, or sent something malformed.
+        ConnectionError: the peer hung up before a message started (EOF).
+    """
+    fds: list[int] = []
+    prefix = bytearray()
+    try:
+        while len(prefix) < _PREFIX.size:
+            data, ancillary, _, _ = sock.recvmsg(
+                _PREFIX.size - len(prefix), socket.CMSG_LEN(MAX_FDS * array.array("i").itemsize)
+            )
+            for level, kind, cmsg in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    received = array.array("i")
+                    received.frombytes(cmsg[: len(cmsg) - len(cmsg) % received.itemsize])
+                    fds.extend(received)
+            if not data:
+                if prefix or fds:
+                    raise ProtocolError("the peer hung up in the middle of a message")
+                raise ConnectionError("the peer closed the connection")
+            prefix += data
+        header_nbytes, payload_nbytes = _PREFIX.unpack(prefix)
+        if header_nbytes > MAX_HEADER or payload_nbytes > MAX_PAYLOAD:
+            raise ProtocolError(f"message sizes {header_nbytes}/{payload_nbytes} exceed the protocol's limits")
+        blob = _receive_exactly(sock, header_nbytes)
+        payload = _receive_exactly(sock, payload_nbytes)
+        try:
+            header = json.loads(blob)
+        except ValueError as e:
+            raise ProtocolError(f"the message header is not JSON: {e}") from e
+        if not isinstance(header, dict):
+            raise ProtocolError("the message header is not a JSON object")
+        return header, payload, fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+def _receive_exactly(sock: socket.socket, nbytes: int) -> bytes:
+    buffer = bytearray(nbytes)
+    view = memoryview(buffer)
+    got = 0
+    while got < nbytes:
+        n = sock.recv_into(view[got:], nbytes - got)
+        if n == 0:
+            raise ProtocolError(f"the peer hung up {nbytes - got} bytes before the end of a message")
+        got += n
+    return bytes(buffer)

@@ -1,0 +1,182 @@
+"""The seed scenario, timed: load a VAE, two ControlNets, then the pipeline with ``vae=vae`` (and, in the
+``wrapper`` variant, ``controlnet=MultiControlNetModel([edge, depth])``), plain and through the cache.
+
+``zerocopy-pickle demo`` runs it on a tiny pipeline built here; ``benchmarks/cache.py`` on an SD1.5-sized one.
+Every run is a fresh process (as a user's program is), timed from after its imports; after the four loads it
+touches every page of every weight once, because a zero-copy load defers page faults to first use and a fair
+total includes them.
+
+    python -m zerocopy_pickle.cache.scenario plain|cache vae|wrapper PATHS_JSON DTYPE
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .client import Client
+from .protocol import CacheError
+
+__all__ = ["STEPS", "measure", "print_table", "run_demo"]
+
+STEPS = ("vae", "edge", "depth", "pipeline")
+
+
+def _touch(modules: list[Any]) -> int:
+    """Read one byte of every 4 KiB page of every distinct weight (the page faults a first forward pays)."""
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen or not storage.nbytes():
+                continue
+            seen.add(storage.data_ptr())
+            data = torch.empty(0, dtype=torch.uint8).set_(storage)
+            total += int(data[::4096].max())
+    return total
+
+
+def _run_steps(mode: str, variant: str, paths: dict[str, str], dtype_name: str) -> dict[str, Any]:
+    """One run, in this process: the four loads and the touch, each timed."""
+    import torch
+
+    if mode == "cache":
+        from . import patch_all
+
+        patch_all(autostart=False)
+    from diffusers import AutoencoderKL, ControlNetModel, StableDiffusionControlNetPipeline
+    from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+
+    dtype = getattr(torch, dtype_name)
+    times: dict[str, float] = {}
+    start = time.perf_counter()
+    vae = AutoencoderKL.from_pretrained(paths["pipeline"], subfolder="vae", torch_dtype=dtype)
+    times["vae"] = time.perf_counter() - start
+    start = time.perf_counter()
+    edge = ControlNetModel.from_pretrained(paths["edge"], torch_dtype=dtype)
+    times["edge"] = time.perf_counter() - start
+    start = time.perf_counter()
+    depth = ControlNetModel.from_pretrained(paths["depth"], torch_dtype=dtype)
+    times["depth"] = time.perf_counter() - start
+    kwargs: dict[str, Any] = {"vae": vae, "safety_checker": None, "torch_dtype": dtype}
+    if variant == "wrapper":
+        kwargs["controlnet"] = MultiControlNetModel([edge, depth])
+    start = time.perf_counter()
+    pipe = StableDiffusionControlNetPipeline.from_pretrained(paths["pipeline"], **kwargs)
+    times["pipeline"] = time.perf_counter() - start
+    times["load"] = sum(times[step] for step in STEPS)
+    start = time.perf_counter()
+    modules = [vae, edge, depth, *(c for c in pipe.components.values() if isinstance(c, torch.nn.Module))]
+    _touch(modules)
+    times["touch"] = time.perf_counter() - start
+    times["total"] = times["load"] + times["touch"]
+    return times
+
+
+@contextmanager
+def private_server(*args: str) -> Iterator[dict[str, str]]:
+    """A cache server in a private temporary directory; yields the environment that reaches it."""
+    directory = Path(tempfile.mkdtemp(prefix="zcp-demo-")) / "cache"
+    directory.mkdir(mode=0o700)
+    env = {**os.environ, "ZEROCOPY_PICKLE_CACHE_DIR": str(directory)}
+    log = open(directory.parent / "server.log", "ab")  # noqa: SIM115 - closed below
+    server = subprocess.Popen([sys.executable, "-m", "zerocopy_pickle.cache", "serve", *args], env=env, stdout=log,
+                              stderr=log)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with Client(directory / "server.sock", timeout=5) as client:
+                    reply, _, _ = client.request({"op": "status"})
+                if reply["status"]["loader_ready"]:  # as a server started ahead of its clients would be
+                    break
+            except CacheError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise CacheError(f"the demo's cache server did not get ready (see {directory.parent / 'server.log'})")
+            time.sleep(0.1)
+        yield env
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+
+
+def _one_run(env: dict[str, str], mode: str, variant: str, paths: dict[str, str], dtype: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerocopy_pickle.cache.scenario", mode, variant, json.dumps(paths), dtype],
+        env=env, capture_output=True, text=True, check=False, timeout=3600,
+    )  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"a scenario run failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def measure(
+    paths: dict[str, str], *, runs: int, variants: tuple[str, ...] = ("vae", "wrapper"), dtype: str = "float32"
+) -> dict[str, list[dict[str, Any]]]:
+    """Run the scenario ``runs`` times plain and ``runs`` times through a fresh cache server, per variant.
+
+    Returns:
+        ``{"plain/vae": [run, ...], "cache/vae": [...], ...}``; the first cache run of a variant is its miss.
+    """
+    results: dict[str, list[dict[str, Any]]] = {}
+    for variant in variants:
+        results[f"plain/{variant}"] = [_one_run(dict(os.environ), "plain", variant, paths, dtype) for _ in range(runs)]
+        with private_server() as env:
+            results[f"cache/{variant}"] = [_one_run(env, "cache", variant, paths, dtype) for _ in range(runs)]
+    return results
+
+
+def print_table(results: dict[str, list[dict[str, Any]]]) -> None:
+    """Seconds per step, per run, like Overmind's table; then medians of the warm runs."""
+    columns = (*STEPS, "load", "touch", "total")
+    print(f"  {'run':<24}" + "".join(f"{c:>10}" for c in columns))
+    for name, runs in results.items():
+        for i, run in enumerate(runs):
+            label = f"{name}, {'1st' if i == 0 else f'{i + 1}th' if i > 2 else ('2nd', '3rd')[i - 1]}"
+            print(f"  {label:<24}" + "".join(f"{run[c]:10.3f}" for c in columns))
+    print("\n  warm medians (plain: every run; cache: every run after the first)")
+    for name, runs in results.items():
+        warm = runs if name.startswith("plain") else runs[1:]
+        if warm:
+            print(f"  {name:<24}" + "".join(f"{statistics.median(r[c] for r in warm):10.3f}" for c in columns))
+
+
+def run_demo(size: str = "tiny", runs: int = 3, directory: str | None = None) -> int:
+    """``zerocopy-pickle demo``: build the pipeline, run the scenario plain and cached, print the tables."""
+    from ..demo import build_controlnet_pipeline
+
+    with tempfile.TemporaryDirectory(dir=directory, prefix="zcp-demo-models-") as tmp:
+        print(f"building a {size} StableDiffusionControlNetPipeline and two ControlNets in {tmp} ...", flush=True)
+        paths = build_controlnet_pipeline(tmp, size=size)
+        print(f"running the seed scenario {runs} times per variant, plain and through a fresh cache server ...\n")
+        results = measure(paths, runs=runs, dtype="float32" if size == "tiny" else "float16")
+    print_table(results)
+    print(
+        "\n'vae': the pipeline is loaded with vae=vae; 'wrapper': also controlnet=MultiControlNetModel([edge, "
+        "depth]).\nThe first cache run of each variant is its miss; later runs are hits served from shared memory."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.simplefilter("ignore")
+    mode, variant, paths_json, dtype_name = sys.argv[1:5]
+    print(json.dumps(_run_steps(mode, variant, json.loads(paths_json), dtype_name)))

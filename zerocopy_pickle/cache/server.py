@@ -1,0 +1,336 @@
+"""The cache server: holds entries in sealed memfds and hands them to clients over a Unix socket.
+
+One thread per client connection. A hit is answered from memory: the entry's stream and buffer table, and
+duplicates of its segments' fds (``SCM_RIGHTS``). A miss goes to the loader (``loader.py``): concurrent
+requests for the same key wait for one load. The server imports neither torch nor any model library, so it
+starts in a fraction of a second and never holds a CUDA context; the zygote it starts pays the imports once.
+
+Run with ``zerocopy-pickle serve`` (``--max-bytes``, ``--persist DIR``), or let a patched client start it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .protocol import MAX_FDS, CacheError, ProtocolError, peer_credentials, receive, runtime_dir, send
+from .store import Entry, Store
+
+__all__ = ["Server", "serve"]
+
+LOADER_TIMEOUT = 3600.0
+
+
+@dataclass
+class _Inflight:
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+
+
+class Server:
+    """A cache server listening on ``path``.
+
+    Args:
+        path: the socket path (its directory must be private: see :func:`protocol.runtime_dir`).
+        max_bytes: evict least recently used entries to keep segments within this many bytes.
+        persist: keep segments and the index in this directory, and start warm from it.
+        loader_timeout: give up on a load after this many seconds (the client then loads directly).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        max_bytes: int | None = None,
+        persist: Path | None = None,
+        loader_timeout: float = LOADER_TIMEOUT,
+    ) -> None:
+        self.path = path
+        self.store = Store(max_bytes, persist)
+        self.loader_timeout = loader_timeout
+        self.stopping = threading.Event()
+        self._inflight: dict[str, _Inflight] = {}
+        self._inflight_lock = threading.Lock()
+        self._zygote: subprocess.Popen[bytes] | None = None
+        self._zygote_socket: socket.socket | None = None
+        self._zygote_lock = threading.Lock()
+        self._zygote_ready = threading.Event()
+        self._listener: socket.socket | None = None
+        self._lock_fd = -1
+        self._learned: set[str] = set()  # modules loader children imported: preloaded into every new zygote
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+
+    def bind(self) -> None:
+        """Take the server lock and listen. Raises CacheError if another server holds the lock."""
+        self._lock_fd = os.open(self.path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            os.close(self._lock_fd)
+            raise CacheError(f"another zerocopy_pickle cache server is already running on {self.path}") from e
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a stale socket from a server that died: we hold the lock now
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o077)
+        try:
+            listener.bind(str(self.path))
+        finally:
+            os.umask(old_umask)
+        listener.listen(128)
+        self._listener = listener
+
+    def serve_forever(self) -> None:
+        """Accept connections until :meth:`stop`."""
+        if self._listener is None:
+            self.bind()
+        assert self._listener is not None
+        self._start_zygote()
+        self._listener.settimeout(0.5)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    conn, _ = self._listener.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    if self.stopping.is_set():
+                        break
+                    raise
+                threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        self._stop_zygote()
+        self.store.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # -- the zygote ---------------------------------------------------------------------------------------------
+
+    def _start_zygote(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ, ZEROCOPY_PICKLE_CACHE_LOADER="1")
+        self._zygote = subprocess.Popen(
+            [sys.executable, "-m", "zerocopy_pickle.cache.loader", str(child.fileno())],
+            pass_fds=[child.fileno()],
+            env=env,
+        )
+        child.close()
+        self._zygote_socket = parent
+        self._zygote_ready = threading.Event()
+        if self._learned:  # a restarted zygote: queued behind its imports, before any job
+            send(parent, {"op": "preload", "modules": sorted(self._learned)})
+
+        def wait_ready() -> None:
+            with contextlib.suppress(ConnectionError, CacheError, OSError):
+                header, _, fds = receive(parent)
+                for fd in fds:
+                    os.close(fd)
+                if header.get("op") == "ready":
+                    self._zygote_ready.set()
+
+        threading.Thread(target=wait_ready, daemon=True).start()
+
+    def _stop_zygote(self) -> None:
+        if self._zygote_socket is not None:
+            with contextlib.suppress(OSError):
+                send(self._zygote_socket, {"op": "stop"})
+            self._zygote_socket.close()
+            self._zygote_socket = None
+        if self._zygote is not None:
+            try:
+                self._zygote.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._zygote.kill()
+                self._zygote.wait()
+            self._zygote = None
+
+    def _submit(self, header: dict[str, Any], payload: bytes, fds: list[int]) -> None:
+        with self._zygote_lock:
+            if self._zygote is None or self._zygote.poll() is not None:
+                self._stop_zygote()
+                self._start_zygote()
+            if not self._zygote_ready.wait(timeout=300):
+                raise CacheError("the cache's loader process did not start")
+            assert self._zygote_socket is not None
+            send(self._zygote_socket, header, payload, fds)
+
+    def _teach_zygote(self, modules: list[str]) -> None:
+        """Have the zygote import what the last child imported by itself, so the next child starts with it."""
+        new = sorted(set(modules) - self._learned)
+        if not new:
+            return
+        with self._zygote_lock:
+            self._learned.update(new)
+            if self._zygote_socket is not None:
+                with contextlib.suppress(OSError):
+                    send(self._zygote_socket, {"op": "preload", "modules": new})
+
+    # -- requests ------------------------------------------------------------------------------------------------
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        with conn:
+            _, uid, _ = peer_credentials(conn)
+            if uid != os.getuid():
+                with contextlib.suppress(OSError):
+                    send(conn, {"ok": False, "error": f"uid {uid} may not use the cache of uid {os.getuid()}"})
+                return
+            while not self.stopping.is_set():
+                try:
+                    header, payload, fds = receive(conn)
+                except (ConnectionError, ProtocolError, OSError):
+                    return
+                for fd in fds:  # clients never send fds
+                    os.close(fd)
+                try:
+                    self._dispatch(conn, header, payload)
+                except (BrokenPipeError, ConnectionResetError):
+                    return  # the client went away mid-reply; whatever it was sent dies with the socket
+                except CacheError as e:
+                    with contextlib.suppress(OSError):
+                        send(conn, {"ok": False, "error": str(e)})
+
+    def _dispatch(self, conn: socket.socket, header: dict[str, Any], payload: bytes) -> None:
+        op = header.get("op")
+        if op == "ping":
+            send(conn, {"ok": True, "pid": os.getpid()})
+        elif op == "get":
+            self._get(conn, header, payload)
+        elif op == "status":
+            zygote = self._zygote.pid if self._zygote is not None and self._zygote.poll() is None else None
+            ready = zygote is not None and self._zygote_ready.is_set()
+            status = {**self.store.status(), "pid": os.getpid(), "loader_pid": zygote, "loader_ready": ready}
+            send(conn, {"ok": True, "status": status})
+        elif op == "clear":
+            send(conn, {"ok": True, "cleared": self.store.clear()})
+        elif op == "stop":
+            send(conn, {"ok": True})
+            self.stop()
+        else:
+            raise CacheError(f"unknown request {op!r}")
+
+    def _get(self, conn: socket.socket, header: dict[str, Any], payload: bytes) -> None:
+        key = str(header["key"])
+        entry = self.store.get(key)
+        hit = entry is not None
+        if entry is None:
+            entry = self._load(key, header, payload)
+        with self.store.lock:
+            ids = entry.segment_ids
+            # Duplicates, taken under the lock: an eviction may close the store's own fds at any moment.
+            fds = [os.dup(fd) for fd in self.store.segment_fds(ids)]
+        try:
+            send(
+                conn,
+                {"ok": True, "hit": hit, "key": entry.key, "buffers": entry.buffers, "segments": ids},
+                entry.stream,
+                fds,
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _load(self, key: str, header: dict[str, Any], payload: bytes) -> Entry:
+        with self._inflight_lock:
+            inflight = self._inflight.get(key)
+            owner = inflight is None
+            if owner:
+                inflight = self._inflight[key] = _Inflight()
+        assert inflight is not None
+        if not owner:
+            inflight.done.wait(self.loader_timeout)
+            entry = self.store.peek(key)
+            if entry is None:
+                raise CacheError(inflight.error or "the load this request waited for did not produce an entry")
+            return entry
+        try:
+            return self._run_loader(key, header, payload)
+        except CacheError as e:
+            inflight.error = str(e)
+            raise
+        finally:
+            with self._inflight_lock:
+                del self._inflight[key]
+            inflight.done.set()
+
+    def _run_loader(self, key: str, header: dict[str, Any], payload: bytes) -> Entry:
+        refs = [str(r) for r in header.get("refs", [])]
+        closure = self.store.closure(refs)
+        if closure is None:
+            raise CacheError("an argument of this call was evicted from the cache; loading directly")
+        needed = sorted({i for entry in closure for i in entry.segment_ids})
+        index_ids, index = self.store.dedup_index(MAX_FDS - 1 - len(needed))
+        ids = sorted(set(needed) | set(index_ids))
+        job_refs = [
+            {
+                "key": e.key,
+                "args_nbytes": len(e.args),
+                "stream_nbytes": len(e.stream),
+                "buffers": e.buffers,
+                "refs": e.refs,
+            }
+            for e in closure
+        ]
+        blob = b"".join(part for e in closure for part in (e.args, e.stream)) + payload
+        job = {"op": "load", "call": {**header["call"], "refs": refs}, "refs": job_refs, "segments": ids,
+               "index": [row for row in index if row[1] in ids]}  # fmt: skip
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with ours:
+            with self.store.lock:
+                segment_fds = [os.dup(fd) for fd in self.store.segment_fds(ids)]
+            try:
+                self._submit(job, blob, [theirs.fileno(), *segment_fds])
+            finally:
+                theirs.close()
+                for fd in segment_fds:
+                    os.close(fd)
+            ours.settimeout(self.loader_timeout)
+            try:
+                reply, stream, fds = receive(ours)
+            except (ConnectionError, ProtocolError) as e:
+                raise CacheError("the loader process died before it produced the result") from e
+            except TimeoutError as e:
+                raise CacheError(f"the loader took longer than {self.loader_timeout:.0f} s") from e
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            raise CacheError(f"loading failed in the cache's loader: {reply.get('error')}")
+        self._teach_zygote([str(name) for name in reply.get("imported", [])])
+        entry = Entry(key, str(header.get("describe", key)), stream, reply["buffers"], refs, args=payload)
+        return self.store.add(entry, fds[0] if fds else None)
+
+
+def serve(
+    *, max_bytes: int | None = None, persist: Path | None = None, path: Path | None = None, quiet: bool = False
+) -> None:
+    """Run a cache server in this process until it is stopped (``zerocopy-pickle stop`` or SIGTERM)."""
+    server = Server(path or runtime_dir() / "server.sock", max_bytes=max_bytes, persist=persist)
+    server.bind()
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    if not quiet:
+        print(f"zerocopy_pickle cache serving on {server.path} (pid {os.getpid()})", flush=True)
+    started = time.monotonic()
+    server.serve_forever()
+    if not quiet:
+        print(f"zerocopy_pickle cache stopped after {time.monotonic() - started:.0f} s", flush=True)
