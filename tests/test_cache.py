@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -154,8 +155,8 @@ def test_controlnet_pipeline_seed_scenario(server: ServerProcess, models: dict[s
         if mode == "wrapper":
             assert run["wrapper_is_arg"] and run["nets_are_args"] == [True, True]
 
-    # Nothing is stored twice: the arguments travel as references, and the pipeline's own ControlNet (the same
-    # bytes as the edge ControlNet) is found in the edge entry's segment and referenced there.
+    # Nothing is stored twice: the arguments travel as references, and the weights are views of the checkpoint
+    # files (file segments, not counted in total_bytes) or, for what a loader computed, stored once.
     def weights(*parts: str) -> int:
         return sum(f.stat().st_size for f in Path(*parts).glob("*.safetensors"))
 
@@ -167,7 +168,8 @@ def test_controlnet_pipeline_seed_scenario(server: ServerProcess, models: dict[s
     assert "CacheWarning" not in second["stderr"]
 
 
-def test_identical_storages_are_stored_once(server: ServerProcess, models: dict[str, str]) -> None:
+def test_identical_storages_are_stored_once(models: dict[str, str]) -> None:
+    # --copy-files: every storage in the cache's memfds, where deduplication is what keeps memory down.
     code = """
 import json, sys, torch
 from zerocopy_pickle import cache
@@ -178,12 +180,68 @@ b = ControlNetModel.from_pretrained(sys.argv[1], torch_dtype=torch.float32)  # a
 print(json.dumps({"equal": all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters())),
                   "keys": [cache.cached_key(a), cache.cached_key(b)]}))
 """
-    result = run_client(server, code, models["edge"])
-    assert result["equal"] and result["keys"][0] != result["keys"][1]
+    with private_dir() as directory:
+        server = ServerProcess(directory, "--copy-files")
+        try:
+            result = run_client(server, code, models["edge"])
+            assert result["equal"] and result["keys"][0] != result["keys"][1]
+            status = server.status()
+            assert len(status["entries"]) == 2 and status["file_bytes"] == 0
+            assert status["total_bytes"] <= status["entries"][0]["nbytes"] + 64 * 1024  # the second added nothing
+            assert status["logical_bytes"] >= 2 * status["entries"][0]["nbytes"]
+        finally:
+            server.stop()
+
+
+def test_untouched_checkpoint_tensors_reference_the_file(server: ServerProcess, models: dict[str, str]) -> None:
+    code = GPT2_CLIENT.replace(
+        'print(json.dumps({"loads": out}))',
+        """maps = open("/proc/self/maps").read().splitlines()
+def backing(t):
+    address = t.data_ptr()
+    for line in maps:
+        span, *rest = line.split()
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return rest[-1] if len(rest) >= 5 else ""
+    return None
+out[-1]["backing"] = backing(model.transformer.h[0].attn.c_attn.weight)
+print(json.dumps({"loads": out}))""",
+    )
+    run_client(server, code, models["gpt2"])  # the miss
+    result = run_client(server, code, models["gpt2"])["loads"][0]  # a hit, in a fresh process
+    checkpoint = str(Path(models["gpt2"], "model.safetensors").resolve())
+    assert result["backing"] == checkpoint  # the weight is a view of the checkpoint's own pages
     status = server.status()
-    assert len(status["entries"]) == 2
-    assert status["total_bytes"] <= status["entries"][0]["nbytes"] + 64 * 1024  # the second entry added nothing
-    assert status["logical_bytes"] >= 2 * status["entries"][0]["nbytes"]
+    assert status["files"] == [checkpoint] and status["file_bytes"] == Path(checkpoint).stat().st_size
+    assert status["total_bytes"] < status["logical_bytes"] // 10  # (what a loader did compute is copied)
+
+
+def test_checkpoint_rewritten_in_place_is_not_served_stale(
+    server: ServerProcess, models: dict[str, str], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save
+    from transformers import GPT2LMHeadModel
+
+    folder = tmp_path / "gpt2"
+    shutil.copytree(models["gpt2"], folder)
+    checkpoint = folder / "model.safetensors"
+    before = run_client(server, GPT2_CLIENT, str(folder))["loads"][0]
+    state = load_file(checkpoint)
+    state["transformer.h.0.mlp.c_fc.weight"] *= 2
+    data = save(state, metadata={"format": "pt"})
+    info = checkpoint.stat()
+    assert len(data) == info.st_size
+    with open(checkpoint, "r+b") as f:  # in place, same size, and the modification time put back: same key
+        f.write(data)
+    os.utime(checkpoint, ns=(info.st_atime_ns, info.st_mtime_ns))
+    after = run_client(server, GPT2_CLIENT, str(folder))["loads"][0]
+    assert after["key"] == before["key"] and after["sum"] != before["sum"]
+    with torch.no_grad():
+        expected = GPT2LMHeadModel.from_pretrained(folder)(torch.tensor([[1, 2, 3, 4]])).logits
+    assert after["sum"] == pytest.approx(float(expected.double().sum()), rel=1e-12)
+    status = server.status()
+    assert status["stale"] == 1 and status["misses"] == 2
 
 
 def test_sixteen_clients_twenty_loads_each(server: ServerProcess, models: dict[str, str]) -> None:
@@ -340,13 +398,14 @@ def test_killed_clients_leak_nothing_in_the_server(server: ServerProcess, models
 
 def test_eviction_under_a_small_budget(models: dict[str, str]) -> None:
     with private_dir() as directory:
-        probe = ServerProcess(directory)  # how much one model takes in the cache (its buffers included)
+        # --copy-files: the budget bounds the cache's own memory; referenced checkpoint files are page cache.
+        probe = ServerProcess(directory, "--copy-files")  # how much one model takes in the cache
         try:
             run_client(probe, GPT2_CLIENT, models["gpt2"])
             one_model = probe.status()["total_bytes"]
         finally:
             probe.stop()
-        server = ServerProcess(directory, "--max-bytes", str(int(one_model * 1.5)))
+        server = ServerProcess(directory, "--copy-files", "--max-bytes", str(int(one_model * 1.5)))
         try:
             run_client(server, GPT2_CLIENT, models["gpt2"], models["gpt2_b"], models["gpt2_c"])
             status = server.status()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import run_python
-from zerocopy_pickle.cache import loader, protocol
+from zerocopy_pickle.cache import filebacked, loader, protocol
 from zerocopy_pickle.cache.client import describe
 from zerocopy_pickle.cache.store import _SEALS, Entry, Store
 
@@ -160,3 +160,77 @@ def test_server_side_imports_no_torch() -> None:
         """
     )
     assert json.loads(proc.stdout.strip().replace("'", '"')) == []
+
+
+def test_file_ranges_find_untouched_views_of_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(256)) * (4 * PAGE // 256) * 4)  # 16 pages
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        memory = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    view = memoryview(memory)
+    untouched = view[PAGE : 3 * PAGE]
+    unfaulted = view[8 * PAGE + 100 : 12 * PAGE]
+    written = view[4 * PAGE : 6 * PAGE]
+    written[10] = 255 - written[10]  # copy-on-write: this page is not the file's any more
+    anonymous = memoryview(bytearray(4096))
+    assert bytes(untouched[:1]) == b"\0"  # faulted in by reading
+    ranges, fds = filebacked.file_ranges([untouched, written, unfaulted, anonymous])
+    try:
+        assert len(fds) == 1 and os.fstat(fds[0]).st_ino == path.stat().st_ino
+        assert ranges[0] == filebacked.FileRange(0, PAGE)
+        assert ranges[1] is None
+        assert ranges[2] == filebacked.FileRange(0, 8 * PAGE + 100)
+        assert ranges[3] is None
+    finally:
+        for fd in fds:
+            os.close(fd)
+        del untouched, unfaulted, written, view
+        memory.close()
+
+
+def test_renamed_file_is_followed_and_deleted_file_is_copied(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"x" * 4 * PAGE)
+    with open(path, "rb") as f:
+        memory = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    view = memoryview(memory)[:PAGE]
+    path.rename(tmp_path / "old.bin")
+    path.write_bytes(b"y" * 4 * PAGE)  # the old path names another file now; the mapping is of old.bin
+    ranges, fds = filebacked.file_ranges([view])
+    assert ranges == [filebacked.FileRange(0, 0)] and os.fstat(fds[0]).st_ino == (tmp_path / "old.bin").stat().st_ino
+    os.close(fds[0])
+    (tmp_path / "old.bin").unlink()  # nothing on disk names it: its bytes are copied
+    assert filebacked.file_ranges([view]) == ([None], [])
+    del view
+    memory.close()
+
+
+def test_file_segment_goes_stale_when_its_file_changes(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"a" * PAGE)
+    store = Store(max_bytes=PAGE)
+    store.add(entry("k", [(-1, 0, PAGE)]), None, [os.open(path, os.O_RDONLY)])
+    assert store.total_bytes() == 0 and store.status()["file_bytes"] == PAGE  # the budget counts memfds only
+    assert store.get("k") is not None
+    # The same file again (another entry): one segment.
+    store.add(entry("k2", [(-1, 0, 16)]), None, [os.open(path, os.O_RDONLY)])
+    assert len(store.segments) == 1
+    before = path.stat()
+    with open(path, "r+b") as f:  # rewritten in place, same size, and the mtime put back
+        f.write(b"b" * PAGE)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert store.get("k") is None and store.stale == 1
+    assert "k" not in store.entries
+    store.close()
+
+
+def test_store_refuses_a_file_segment_that_is_not_a_regular_file() -> None:
+    store = Store()
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    with pytest.raises(protocol.CacheError, match="not a regular file"):
+        store.add(entry("x", [(-1, 0, 1)]), None, [read_end])
+    store.close()

@@ -263,6 +263,31 @@ def map_private(fd: int, nbytes: int) -> mmap.mmap:
     return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
+_MADV_POPULATE_READ = 22  # Linux 5.14
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_madvise.restype = ctypes.c_int
+PREFAULT_CHUNK = 4 << 20
+
+
+def prefault(memory: mmap.mmap) -> bool:
+    """Map every page of a private mapping into this process's page tables, readable, without copying any
+    (``MADV_POPULATE_READ``: writes still copy on write). Returns False where the kernel does not support it.
+
+    The ctypes call releases the GIL; it works in chunks so that another thread faulting pages of the same
+    mapping is never blocked behind one long call.
+    """
+    nbytes = len(memory)
+    if not nbytes:
+        return True
+    anchor = ctypes.c_char.from_buffer(memory)  # holds a buffer export: the mapping stays while we work
+    start = ctypes.addressof(anchor)
+    for offset in range(0, nbytes, PREFAULT_CHUNK):
+        if _madvise(start + offset, min(PREFAULT_CHUNK, nbytes - offset), _MADV_POPULATE_READ) != 0:
+            return False
+    return True
+
+
 def anonymous(nbytes: int) -> mmap.mmap:
     """Private anonymous memory, page-aligned and zero-filled on first touch (for copying reads)."""
     return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

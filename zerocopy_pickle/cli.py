@@ -176,7 +176,7 @@ def _size(text: str) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from .cache.server import serve
 
-    serve(max_bytes=args.max_bytes, persist=Path(args.persist) if args.persist else None)
+    serve(max_bytes=args.max_bytes, persist=Path(args.persist) if args.persist else None, copy_files=args.copy_files)
     return 0
 
 
@@ -191,9 +191,10 @@ def _status(args: argparse.Namespace) -> int:
     budget = _human(info["max_bytes"]) if info["max_bytes"] else "unbounded"
     print(
         f"zerocopy_pickle cache: server pid {info['pid']}, loader pid {info['loader_pid']}\n"
-        f"  {len(info['entries'])} entries, {_human(info['total_bytes'])} in {info['segments']} segments "
+        f"  {len(info['entries'])} entries, {_human(info['total_bytes'])} in memory and "
+        f"{_human(info['file_bytes'])} in {len(info['files'])} checkpoint files, {info['segments']} segments "
         f"({_human(info['logical_bytes'])} before sharing), budget {budget}\n"
-        f"  hits {info['hits']}, misses {info['misses']}, evictions {info['evictions']}"
+        f"  hits {info['hits']}, misses {info['misses']}, evictions {info['evictions']}, stale {info['stale']}"
         + (f"\n  persisted in {info['persist']}" if info["persist"] else "")
     )
     for entry in info["entries"]:
@@ -243,6 +244,12 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the model cache server in the foreground")
     p.add_argument("--max-bytes", type=_size, default=None, help="evict LRU entries beyond this size (e.g. 16G)")
     p.add_argument("--persist", default=None, metavar="DIR", help="keep entries on disk here; restart warm")
+    p.add_argument(
+        "--copy-files",
+        action="store_true",
+        help="copy every storage into the cache's memory, even those that are untouched views of a checkpoint "
+        "file (by default the cache references such files instead)",
+    )
     p.set_defaults(func=_serve)
     p = sub.add_parser("status", help="show the cache server's entries, sizes, hits and misses")
     p.add_argument("--json", action="store_true", help="print a JSON report")

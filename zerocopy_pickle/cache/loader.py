@@ -21,18 +21,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from typing import Any
 
 from ..registry import default_registry, resolve_name
-from . import entries
-from .protocol import CacheError, receive, send
+from . import entries, filebacked
+from .protocol import MAX_FDS, CacheError, receive, send
 
 __all__ = ["LEARNABLE", "PRELOAD", "argument_slots", "learnable", "patch_point_modules", "zygote_main"]
 
@@ -81,6 +83,9 @@ def _address(view: memoryview) -> int:
 
 def run_job(header: dict[str, Any], payload: bytes, result: socket.socket, segment_fds: Sequence[int]) -> None:
     """Execute one miss in this (forked) process and send the entry to the server."""
+    clock = time.perf_counter
+    timings: dict[str, float] = {}
+    started = clock()
     modules_before = set(sys.modules)
     segment_ids: list[int] = header["segments"]
     private = entries.map_segments(segment_ids, segment_fds)
@@ -112,24 +117,49 @@ def run_job(header: dict[str, Any], payload: bytes, result: socket.socket, segme
     call = header["call"]
     call_refs = [rebuilt[key] for key in call["refs"]]
     args, kwargs = entries.unpickle(payload[cursor:], [], call_refs)
+    timings["arguments"] = clock() - started
 
     function = resolve_name(call["function"])
     if call.get("cls"):
         function = getattr(resolve_name(call["cls"]), call["function"].rpartition(".")[2])
+    mark = clock()
     value = function(*args, **kwargs)
+    timings["call"] = clock() - mark
 
+    mark = clock()
     stream, views, specs = entries.pickle_with_refs(value, call_refs + argument_slots(args, kwargs), in_band=False)
+    timings["pickle"] = clock() - mark
     index: dict[str, list[tuple[int, int, int]]] = {}
     for digest, segment_id, offset, nbytes in header["index"]:
         index.setdefault(digest, []).append((segment_id, offset, nbytes))
-    rows, new_fd = entries.build_segment(views, [s.location for s in specs], pristine, index, provenance)
-    imported = sorted(name for name in set(sys.modules) - modules_before if learnable(name))
+    mark = clock()
+    files, file_fds = filebacked.file_ranges(views) if header.get("file_segments", True) else ([], [])
+    if len(file_fds) > MAX_FDS - 1:  # one message carries them all: copy what refers to the files beyond
+        for fd in file_fds[MAX_FDS - 1 :]:
+            os.close(fd)
+        file_fds = file_fds[: MAX_FDS - 1]
+        files = [r if r is not None and r.file < len(file_fds) else None for r in files]
+    timings["files"] = clock() - mark
+    mark = clock()
     try:
-        reply = {"ok": True, "buffers": rows, "imported": imported}
-        send(result, reply, stream, [new_fd] if new_fd is not None else [])
+        rows, new_fd = entries.build_segment(
+            views, [s.location for s in specs], pristine, index, provenance, files or None
+        )
+    except BaseException:
+        for fd in file_fds:
+            os.close(fd)
+        raise
+    timings["segment"] = clock() - mark
+    timings["total"] = clock() - started
+    imported = sorted(name for name in set(sys.modules) - modules_before if learnable(name))
+    fds = [new_fd] if new_fd is not None else []
+    try:
+        reply = {"ok": True, "buffers": rows, "imported": imported, "timings": timings,
+                 "new_segment": new_fd is not None, "files": len(file_fds)}  # fmt: skip
+        send(result, reply, stream, fds + file_fds)
     finally:
-        if new_fd is not None:
-            os.close(new_fd)
+        for fd in fds + file_fds:
+            os.close(fd)
 
 
 def _child(header: dict[str, Any], payload: bytes, fds: list[int]) -> int:
@@ -168,10 +198,15 @@ def zygote_main(control_fd: int) -> None:
             continue
         call = header.get("call", {})
         _preload([str(call.get(name, "")).partition(":")[0] for name in ("function", "cls")])
+        # What the zygote holds is never garbage: out of the collector's sight, a child neither scans it (the
+        # libraries are millions of objects: collections cost a child hundreds of milliseconds) nor writes to
+        # its pages (which would copy them). The child is short-lived: it does not collect at all.
+        gc.freeze()
         pid = os.fork()
         if pid == 0:  # the child: run the job and leave, never returning into the zygote's loop
             code = 1
             try:
+                gc.disable()
                 control.close()
                 code = _child(header, payload, fds)
             finally:

@@ -45,6 +45,8 @@ class Server:
         max_bytes: evict least recently used entries to keep segments within this many bytes.
         persist: keep segments and the index in this directory, and start warm from it.
         loader_timeout: give up on a load after this many seconds (the client then loads directly).
+        file_segments: let entries reference the checkpoint files a loader mapped and left untouched, instead of
+            copying their bytes into memfds (``filebacked.py``).
     """
 
     def __init__(
@@ -54,8 +56,10 @@ class Server:
         max_bytes: int | None = None,
         persist: Path | None = None,
         loader_timeout: float = LOADER_TIMEOUT,
+        file_segments: bool = True,
     ) -> None:
         self.path = path
+        self.file_segments = file_segments
         self.store = Store(max_bytes, persist)
         self.loader_timeout = loader_timeout
         self.stopping = threading.Event()
@@ -275,6 +279,7 @@ class Server:
             inflight.done.set()
 
     def _run_loader(self, key: str, header: dict[str, Any], payload: bytes) -> Entry:
+        started = time.monotonic()
         refs = [str(r) for r in header.get("refs", [])]
         closure = self.store.closure(refs)
         if closure is None:
@@ -294,7 +299,7 @@ class Server:
         ]
         blob = b"".join(part for e in closure for part in (e.args, e.stream)) + payload
         job = {"op": "load", "call": {**header["call"], "refs": refs}, "refs": job_refs, "segments": ids,
-               "index": [row for row in index if row[1] in ids]}  # fmt: skip
+               "index": [row for row in index if row[1] in ids], "file_segments": self.file_segments}  # fmt: skip
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with ours:
             with self.store.lock:
@@ -317,15 +322,30 @@ class Server:
                 os.close(fd)
             raise CacheError(f"loading failed in the cache's loader: {reply.get('error')}")
         self._teach_zygote([str(name) for name in reply.get("imported", [])])
-        entry = Entry(key, str(header.get("describe", key)), stream, reply["buffers"], refs, args=payload)
-        return self.store.add(entry, fds[0] if fds else None)
+        timings = {str(k): float(v) for k, v in reply.get("timings", {}).items()}
+        timings["server"] = time.monotonic() - started
+        entry = Entry(key, str(header.get("describe", key)), stream, reply["buffers"], refs, args=payload,
+                      timings=timings)  # fmt: skip
+        new_segment = bool(reply.get("new_segment", bool(fds)))
+        if len(fds) != int(new_segment) + int(reply.get("files", 0)):
+            for fd in fds:
+                os.close(fd)
+            raise CacheError("the loader's reply does not match the file descriptors it sent")
+        return self.store.add(entry, fds[0] if new_segment else None, fds[int(new_segment) :])
 
 
 def serve(
-    *, max_bytes: int | None = None, persist: Path | None = None, path: Path | None = None, quiet: bool = False
+    *,
+    max_bytes: int | None = None,
+    persist: Path | None = None,
+    path: Path | None = None,
+    quiet: bool = False,
+    copy_files: bool = False,
 ) -> None:
     """Run a cache server in this process until it is stopped (``zerocopy-pickle stop`` or SIGTERM)."""
-    server = Server(path or runtime_dir() / "server.sock", max_bytes=max_bytes, persist=persist)
+    server = Server(
+        path or runtime_dir() / "server.sock", max_bytes=max_bytes, persist=persist, file_segments=not copy_files
+    )
     server.bind()
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     if not quiet:

@@ -25,9 +25,11 @@ import fcntl
 import json
 import mmap
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,11 +45,21 @@ _INDEX = "index.json"
 
 @dataclass
 class Segment:
+    """A sealed memfd the cache owns (``kind="memfd"``), or a user's file whose pages entries reference
+    (``kind="file"``: a checkpoint a loader mapped and left untouched; see ``filebacked.py``)."""
+
     id: int
     fd: int
     nbytes: int
     users: int = 0
-    path: str | None = None
+    path: str | None = None  # the persisted copy of a memfd segment (deleted with the segment)
+    kind: str = "memfd"
+    source: str | None = None  # a file segment's path when it was adopted (for persistence and status)
+    identity: tuple[int, ...] | None = None  # a file segment's device, inode, size, mtime and ctime (ns)
+
+    def changed(self) -> bool:
+        """Whether a file segment's file was modified since it was adopted (rewritten in place, truncated)."""
+        return self.identity is not None and _identity(os.fstat(self.fd)) != self.identity
 
 
 @dataclass
@@ -62,6 +74,7 @@ class Entry:
     args: bytes = b""  # the call's pickled arguments, to rebuild this entry's result when it is an argument
     created: float = field(default_factory=time.time)
     hits: int = 0
+    timings: dict[str, float] = field(default_factory=dict)  # where the loader's time went (seconds)
 
     @property
     def segment_ids(self) -> list[int]:
@@ -84,6 +97,7 @@ class Store:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.stale = 0
         self._next_segment = 1
         self._moved: dict[tuple[int, int], tuple[int, int]] = {}  # (segment, offset) -> where compaction put it
         if persist is not None:
@@ -93,9 +107,16 @@ class Store:
     # -- lookups ------------------------------------------------------------------------------------------------
 
     def get(self, key: str) -> Entry | None:
-        """The entry for ``key`` (marked most recently used, counted as a hit), or None (a miss)."""
+        """The entry for ``key`` (marked most recently used, counted as a hit), or None (a miss). An entry whose
+        files changed since it was made is dropped: its key fingerprinted files that are not the same any more."""
         with self.lock:
             entry = self.entries.get(key)
+            if entry is not None and any(self.segments[i].changed() for i in entry.segment_ids):
+                self._release(self.entries.pop(key))
+                self.stale += 1
+                self._collect_unused()
+                self._save_index()
+                entry = None
             if entry is None:
                 self.misses += 1
                 return None
@@ -143,27 +164,38 @@ class Store:
             seen: set[tuple[int, int]] = set()
             for entry in self.entries.values():
                 for segment, offset, nbytes, _location, digest in entry.buffers:
-                    if segment in chosen and (segment, offset) not in seen:
+                    if digest is not None and segment in chosen and (segment, offset) not in seen:
                         seen.add((segment, offset))
                         index.append([digest, segment, offset, nbytes])
             return ids, index
 
     # -- changes ------------------------------------------------------------------------------------------------
 
-    def add(self, entry: Entry, new_segment_fd: int | None) -> Entry:
-        """Register an entry whose buffers refer to existing segments or (segment id 0) to the new one.
+    def add(self, entry: Entry, new_segment_fd: int | None, file_fds: Sequence[int] = ()) -> Entry:
+        """Register an entry whose buffers refer to existing segments, to the new memfd (segment 0) or to the
+        i-th of ``file_fds`` (segment ``-(i + 1)``).
 
-        Takes ownership of ``new_segment_fd``.
+        Takes ownership of ``new_segment_fd`` and ``file_fds``.
 
         Raises:
-            CacheError: the new segment is not a sealed memfd, or the entry refers to unknown segments.
+            CacheError: the new segment is not a sealed memfd, a file is not a regular file, or the entry refers
+                to unknown segments.
         """
         with self.lock:
-            if new_segment_fd is not None:
-                segment = self._adopt_segment(new_segment_fd)
-                for row in entry.buffers:
-                    if row[0] == 0:
-                        row[0] = segment.id
+            pending = [fd for fd in (new_segment_fd, *file_fds) if fd is not None]
+            try:
+                file_ids = [self._adopt_file(pending.pop()) for _ in file_fds][::-1]
+                segment = self._adopt_segment(pending.pop()) if new_segment_fd is not None else None
+            except BaseException:
+                for fd in pending:
+                    os.close(fd)
+                self._collect_unused()  # file segments adopted for this entry and used by no other
+                raise
+            for row in entry.buffers:
+                if row[0] == 0 and segment is not None:
+                    row[0] = segment.id
+                elif row[0] < 0 and -row[0] <= len(file_ids):
+                    row[0] = file_ids[-row[0] - 1]
             for row in entry.buffers:  # ranges the loader found in segments compacted since
                 if (row[0], row[1]) in self._moved:
                     row[0], row[1] = self._moved[row[0], row[1]]
@@ -198,6 +230,29 @@ class Store:
         self.segments[segment.id] = segment
         return segment
 
+    def _adopt_file(self, fd: int) -> int:
+        """A file segment for ``fd`` (the existing one if this file, unchanged, is one already)."""
+        try:
+            info = os.fstat(fd)
+        except OSError as e:
+            os.close(fd)
+            raise CacheError("a loader sent a file that cannot be examined") from e
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise CacheError("a loader sent a file segment that is not a regular file")
+        identity = _identity(info)
+        for segment in self.segments.values():
+            if segment.identity == identity:
+                os.close(fd)
+                return segment.id
+        source = None
+        with contextlib.suppress(OSError):
+            source = os.readlink(f"/proc/self/fd/{fd}")
+        segment = Segment(self._next_segment, fd, info.st_size, kind="file", source=source, identity=identity)
+        self._next_segment += 1
+        self.segments[segment.id] = segment
+        return segment.id
+
     def _release(self, entry: Entry) -> None:
         for segment_id in entry.segment_ids:
             segment = self.segments.get(segment_id)
@@ -214,8 +269,10 @@ class Store:
                     os.unlink(segment.path)
 
     def total_bytes(self) -> int:
+        """The bytes of the cache's own segments (memfds): what ``max_bytes`` bounds. File segments are the
+        user's files; their pages are ordinary page cache, which the kernel reclaims by itself."""
         with self.lock:
-            return sum(s.nbytes for s in self.segments.values())
+            return sum(s.nbytes for s in self.segments.values() if s.kind == "memfd")
 
     def _evict(self, keep: str | None = None) -> None:
         if self.max_bytes is None:
@@ -240,6 +297,8 @@ class Store:
         freed = False
         for segment_id, ranges in used.items():
             segment = self.segments[segment_id]
+            if segment.kind == "file":
+                continue
             layout, size = {}, 0
             for offset in sorted(ranges):
                 size = align_up(size, buffer_alignment(ranges[offset]))
@@ -287,16 +346,26 @@ class Store:
         with self.lock:
             return {
                 "entries": [
-                    {"key": e.key, "call": e.call, "nbytes": e.nbytes, "hits": e.hits, "refs": e.refs}
+                    {
+                        "key": e.key,
+                        "call": e.call,
+                        "nbytes": e.nbytes,
+                        "hits": e.hits,
+                        "refs": e.refs,
+                        "timings": e.timings,
+                    }
                     for e in self.entries.values()
                 ],
                 "segments": len(self.segments),
                 "total_bytes": self.total_bytes(),
+                "file_bytes": sum(s.nbytes for s in self.segments.values() if s.kind == "file"),
+                "files": sorted(s.source or "?" for s in self.segments.values() if s.kind == "file"),
                 "logical_bytes": sum(e.nbytes for e in self.entries.values()),
                 "max_bytes": self.max_bytes,
                 "hits": self.hits,
                 "misses": self.misses,
                 "evictions": self.evictions,
+                "stale": self.stale,
                 "persist": str(self.persist) if self.persist else None,
             }
 
@@ -307,7 +376,10 @@ class Store:
             return
         index = {
             "version": 1,
-            "segments": [{"id": s.id, "nbytes": s.nbytes} for s in self.segments.values()],
+            "segments": [
+                {"id": s.id, "nbytes": s.nbytes, "kind": s.kind, "source": s.source, "identity": s.identity}
+                for s in self.segments.values()
+            ],
             "entries": [{**asdict(e), "stream": e.stream.hex(), "args": e.args.hex()} for e in self.entries.values()],
         }
         tmp = self.persist / f".{_INDEX}.tmp"
@@ -322,13 +394,18 @@ class Store:
         try:
             index = json.loads(path.read_text())
             for row in index["segments"]:
+                self._next_segment = max(self._next_segment, row["id"] + 1)
+                if row.get("kind") == "file":  # the user's file: usable if it is still the same file
+                    reopened = _reopen_file(row)
+                    if reopened is not None:
+                        self.segments[reopened.id] = reopened
+                    continue
                 file = self.persist / f"segment-{int(row['id'])}.bin"
                 fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
                 if os.fstat(fd).st_size != row["nbytes"]:
                     os.close(fd)
                     raise CacheError(f"persisted segment {file} has the wrong size")
                 self.segments[row["id"]] = Segment(row["id"], fd, row["nbytes"], path=str(file))
-                self._next_segment = max(self._next_segment, row["id"] + 1)
             for row in index["entries"]:
                 entry = Entry(**{**row, "stream": bytes.fromhex(row["stream"]), "args": bytes.fromhex(row["args"])})
                 if all(segment in self.segments for segment in entry.segment_ids):
@@ -340,6 +417,23 @@ class Store:
             # A damaged persistence directory must never stop the server: start cold, keep nothing.
             self.close()
             self.entries.clear()
+
+
+def _reopen_file(row: dict[str, Any]) -> Segment | None:
+    try:
+        fd = os.open(row["source"], os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    identity = _identity(os.fstat(fd))
+    if list(identity) != list(row["identity"]):
+        os.close(fd)
+        return None
+    return Segment(row["id"], fd, row["nbytes"], kind="file", source=row["source"], identity=identity)
+
+
+def _identity(info: os.stat_result) -> tuple[int, ...]:
+    # ctime too: a write changes it, and unlike mtime nobody can set it back.
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def _copy_ranges(fd: int, ranges: dict[int, int], layout: dict[int, int], size: int) -> int:

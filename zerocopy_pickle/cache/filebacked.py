@@ -1,0 +1,158 @@
+"""Finding the storages a loader left as untouched views of a file, so that the cache can reference the file
+instead of copying its bytes.
+
+safetensors (and so ``from_pretrained`` of diffusers and transformers) maps a checkpoint ``MAP_PRIVATE`` and
+hands out tensors that are views of the mapping. Copying those bytes into a memfd would cost the first load of
+an SD1.5 pipeline more than a second; referencing the file costs nothing, and every process then shares the
+checkpoint's page cache pages, as plain safetensors loads do. A view qualifies when:
+
+* it lies entirely inside one mapping of a regular file (``/proc/self/maps``), still on disk under the path
+  the mapping names, with the same device and inode;
+* none of its pages was written since it was mapped: ``/proc/self/pagemap`` marks a page that copy-on-write
+  replaced as anonymous (bit 61 clear while present, or swapped). Pages not yet faulted in are the file's.
+
+Anything else (a storage the loader computed, converted or wrote) is copied into a memfd as before.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import mmap
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FileRange", "Mapping", "file_ranges", "read_maps"]
+
+PAGE = mmap.PAGESIZE
+_SWAPPED = 1 << 62
+_FILE_OR_SHARED = 1 << 61
+
+
+@dataclass(frozen=True)
+class Mapping:
+    start: int
+    end: int
+    offset: int
+    dev: int
+    inode: int
+    path: str
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """Where a view's bytes are in a file: ``file`` indexes the list of files :func:`file_ranges` returns."""
+
+    file: int
+    offset: int
+
+
+def read_maps(text: str | None = None) -> list[Mapping]:
+    """The file mappings of this process (``/proc/self/maps``), sorted by address."""
+    if text is None:
+        with open("/proc/self/maps") as f:
+            text = f.read()
+    mappings = []
+    for line in text.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith(" (deleted)"):
+            continue
+        addresses, _perms, offset, device, inode, path = parts
+        start, end = (int(a, 16) for a in addresses.split("-"))
+        major, minor = (int(d, 16) for d in device.split(":"))
+        if int(inode):
+            mappings.append(Mapping(start, end, int(offset, 16), os.makedev(major, minor), int(inode), path))
+    mappings.sort(key=lambda m: m.start)
+    return mappings
+
+
+def _address(view: memoryview) -> int | None:
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except TypeError:  # a read-only buffer: not the kind of view a storage gives
+        return None
+
+
+def _written_pages(pagemap: int, start: int, end: int) -> torch.Tensor:
+    """A bool per page of ``[start, end)``: whether copy-on-write replaced it (its bytes may differ from the file's)."""
+    first, count = start // PAGE, (end + PAGE - 1) // PAGE - start // PAGE
+    raw = os.pread(pagemap, 8 * count, 8 * first)
+    if len(raw) != 8 * count:
+        raise OSError("short read of /proc/self/pagemap")
+    entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+    present = entries < 0  # bit 63, the sign bit
+    swapped = (entries & _SWAPPED) != 0
+    file_page = (entries & _FILE_OR_SHARED) != 0
+    return swapped | (present & ~file_page)
+
+
+def file_ranges(views: Sequence[memoryview]) -> tuple[list[FileRange | None], list[int]]:
+    """For each view, where its bytes lie in a file, if it is an untouched view of one (see the module doc).
+
+    Returns the per-view ranges and the files they refer to, as fds opened read-only (the caller closes them).
+    """
+    maps = read_maps()
+    starts = [m.start for m in maps]
+    found: list[tuple[int, Mapping] | None] = []
+    for view in views:
+        address = _address(view) if view.nbytes else None
+        mapping = None
+        if address is not None:
+            i = bisect.bisect_right(starts, address) - 1
+            if i >= 0 and address + view.nbytes <= maps[i].end:
+                mapping = maps[i]
+        found.append((address, mapping) if address is not None and mapping is not None else None)
+    if not any(found):
+        return [None] * len(views), []
+
+    written: dict[Mapping, torch.Tensor] = {}
+    fds: list[int] = []
+    file_index: dict[tuple[int, int], int | None] = {}
+    ranges: list[FileRange | None] = []
+    pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for view, hit in zip(views, found, strict=True):
+            if hit is None:
+                ranges.append(None)
+                continue
+            address, mapping = hit
+            identity = (mapping.dev, mapping.inode)
+            if identity not in file_index:
+                file_index[identity] = _open_file(mapping, fds)
+            index = file_index[identity]
+            if index is None:
+                ranges.append(None)
+                continue
+            if mapping not in written:
+                written[mapping] = _written_pages(pagemap, mapping.start, mapping.end)
+            first = (address - mapping.start) // PAGE
+            last = (address + view.nbytes - 1 - mapping.start) // PAGE
+            if bool(written[mapping][first : last + 1].any()):
+                ranges.append(None)  # the loader wrote to it: copy the bytes it holds now
+                continue
+            ranges.append(FileRange(index, mapping.offset + address - mapping.start))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    finally:
+        os.close(pagemap)
+    return ranges, fds
+
+
+def _open_file(mapping: Mapping, fds: list[int]) -> int | None:
+    """Open the mapped file if the path still names it (same device and inode); its index in ``fds``."""
+    try:
+        fd = os.open(mapping.path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != (mapping.dev, mapping.inode):
+        os.close(fd)
+        return None
+    fds.append(fd)
+    return len(fds) - 1
