@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import io
+import os
 import pickle
 import pickletools
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import ClassVar
 
 import pytest
 import torch
@@ -100,3 +106,108 @@ class RefusesRuntime:
 def test_runtime_errors_from_reducers_are_dump_errors() -> None:
     with pytest.raises(zp.DumpError, match="Cowardly refusing"):
         zp.dumps({"x": RefusesRuntime()})
+
+
+class _RecordsGC:
+    """Records, when unpickled, whether the cyclic GC was enabled (and may wait for an event first)."""
+
+    seen: ClassVar[list[bool]] = []
+    gate: ClassVar[threading.Event | None] = None
+    inside: ClassVar[threading.Event | None] = None
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (_RecordsGC._rebuild, ())
+
+    @staticmethod
+    def _rebuild() -> _RecordsGC:
+        _RecordsGC.seen.append(gc.isenabled())
+        if _RecordsGC.inside is not None:
+            _RecordsGC.inside.set()
+        if _RecordsGC.gate is not None:
+            _RecordsGC.gate.wait(30)
+        return _RecordsGC()
+
+
+@pytest.fixture
+def records_gc() -> Iterator[type[_RecordsGC]]:
+    assert gc.isenabled()
+    _RecordsGC.seen, _RecordsGC.gate, _RecordsGC.inside = [], None, None
+    yield _RecordsGC
+    _RecordsGC.gate, _RecordsGC.inside = None, None
+    assert gc.isenabled()
+
+
+def test_loads_pause_the_gc_and_restore_it(records_gc: type[_RecordsGC]) -> None:
+    data = zp.dumps({"x": records_gc(), "t": torch.ones(3)})
+    zp.loads(data, trusted=True)
+    assert records_gc.seen == [False]
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        zp.loads(data, trusted=True)
+        assert not gc.isenabled()  # a caller's own choice is kept
+    finally:
+        gc.enable()
+
+
+def test_a_failed_load_restores_the_gc(records_gc: type[_RecordsGC]) -> None:
+    data = zp.dumps([records_gc(), torch.ones(2)])
+    with pytest.raises(zp.ZeroCopyPickleError):
+        zp.loads(data[:-1])  # truncated: rejected
+    with pytest.raises(pickle.UnpicklingError):
+        zp.loads(data)  # restricted: refused while unpickling, inside the pause
+    assert gc.isenabled()
+
+
+def test_concurrent_loads_reenable_the_gc_when_the_last_ends(records_gc: type[_RecordsGC]) -> None:
+    data = zp.dumps(records_gc())
+    records_gc.gate, records_gc.inside = threading.Event(), threading.Event()
+    thread = threading.Thread(target=zp.loads, args=(data,), kwargs={"trusted": True})
+    thread.start()
+    assert records_gc.inside.wait(30)
+    records_gc.inside = None
+    assert not gc.isenabled()
+    zp.loads(zp.dumps(torch.ones(2)))  # a second load ends while the first is still running
+    assert not gc.isenabled()
+    records_gc.gate.set()
+    thread.join(30)
+    assert gc.isenabled()
+
+
+def test_a_fork_during_another_threads_load_leaves_the_child_sane(records_gc: type[_RecordsGC]) -> None:
+    data = zp.dumps(records_gc())
+    records_gc.gate, records_gc.inside = threading.Event(), threading.Event()
+    thread = threading.Thread(target=zp.loads, args=(data,), kwargs={"trusted": True})
+    thread.start()
+    try:
+        assert records_gc.inside.wait(30)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
+            pid = os.fork()
+        if pid == 0:  # the child: the other thread's load never ends here
+            code = 0
+            try:
+                code |= 1 if not gc.isenabled() else 0
+                zp.loads(zp.dumps(torch.ones(2)))  # would deadlock on a lock held at fork
+                code |= 2 if not gc.isenabled() else 0
+            except BaseException:
+                code |= 4
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        records_gc.gate.set()
+        thread.join(30)
+
+
+def test_a_fork_outside_loads_keeps_the_callers_gc_setting() -> None:
+    zp.loads(zp.dumps(torch.ones(2)))  # a finished load, with collection enabled at the time
+    gc.disable()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if not gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        gc.enable()

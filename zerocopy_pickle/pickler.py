@@ -22,6 +22,7 @@ import functools
 import gc
 import importlib
 import io
+import os
 import pickle
 import threading
 import types
@@ -426,27 +427,44 @@ class ZeroCopyUnpickler(pickle.Unpickler):
 # that imported diffusers and transformers holds millions. Measured on an SD1.5 pipeline in such a process: the
 # unpickling itself takes ~25 ms, the collections it triggered up to ~200 ms more. Nothing a load creates is
 # garbage until it returns, so collections are paused for its duration (counted, so that concurrent loads in
-# several threads re-enable collection only when the last one ends, and only if it was enabled before).
+# several threads re-enable collection only when the last one ends, and only if it was enabled before; a fork
+# child drops the pauses of threads that did not survive the fork).
 class _GCPause:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._depth = 0
+        self._depths: dict[int, int] = {}  # thread ident -> pauses it holds
         self._was_enabled = False
 
     @contextlib.contextmanager
     def __call__(self) -> Any:
+        me = threading.get_ident()
         with self._lock:
-            if self._depth == 0:
+            if not self._depths:
                 self._was_enabled = gc.isenabled()
                 gc.disable()
-            self._depth += 1
+            self._depths[me] = self._depths.get(me, 0) + 1
         try:
             yield
         finally:
             with self._lock:
-                self._depth -= 1
-                if self._depth == 0 and self._was_enabled:
-                    gc.enable()
+                self._release(me)
+
+    def _release(self, thread: int) -> None:
+        depth = self._depths.pop(thread) - 1
+        if depth:
+            self._depths[thread] = depth
+        elif not self._depths and self._was_enabled:
+            gc.enable()
+
+    def _after_fork_in_child(self) -> None:
+        # Only the forking thread survives a fork: the loads other threads had in flight never end in the child,
+        # and one of them may have held the lock. Keep the forking thread's own pauses (it ends them itself).
+        self._lock = threading.Lock()
+        me = threading.get_ident()
+        held, self._depths = self._depths, {t: d for t, d in self._depths.items() if t == me}
+        if held and not self._depths and self._was_enabled:
+            gc.enable()
 
 
 _gc_paused = _GCPause()
+os.register_at_fork(after_in_child=_gc_paused._after_fork_in_child)
