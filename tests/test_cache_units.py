@@ -3,7 +3,6 @@ directory, keys, and what the server and the zygote import. The end-to-end behav
 
 from __future__ import annotations
 
-import fcntl
 import json
 import mmap
 import os
@@ -14,15 +13,16 @@ from typing import Any
 import pytest
 
 from tests.conftest import run_python
+from zerocopy_pickle import arena
 from zerocopy_pickle.cache import filebacked, loader, protocol
 from zerocopy_pickle.cache.client import describe
-from zerocopy_pickle.cache.store import _SEALS, Entry, Store
+from zerocopy_pickle.cache.store import Entry, Store
 
 
 def sealed_segment(data: bytes) -> int:
-    fd = os.memfd_create("test-segment", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fd = arena.create_memfd("test-segment")
     os.write(fd, data)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    arena.seal(fd)
     return fd
 
 
@@ -74,7 +74,7 @@ def test_shared_segment_is_compacted_instead_of_kept_whole() -> None:
     b_rows = store.entries["b"].buffers
     assert read_range(store, b_rows[0]) == b"shared-bytes" and read_range(store, b_rows[1]) == b"B" * PAGE
     compacted = store.segments[b_rows[0][0]]
-    assert compacted.nbytes < PAGE and fcntl.fcntl(compacted.fd, fcntl.F_GET_SEALS) & _SEALS == _SEALS
+    assert compacted.nbytes < PAGE and arena.is_sealed(compacted.fd)
     # A load that started before the compaction refers to the old range: it is repointed, not refused.
     late = store.add(entry("d", [(segment_a, 4 * PAGE, 12)]), None)
     assert read_range(store, late.buffers[0]) == b"shared-bytes"

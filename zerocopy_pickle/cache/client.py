@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import io
 import json
 import os
 import queue
@@ -151,8 +152,6 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
     Raises:
         Uncacheable: an argument cannot be pickled.
     """
-    import io
-
     out = io.BytesIO()
     pickler = _ArgumentPickler(out)
     try:

@@ -82,11 +82,8 @@ def load_entry(
 
 def map_segments(ids: Sequence[int], fds: Sequence[int]) -> dict[int, mmap.mmap]:
     """Map each segment ``MAP_PRIVATE`` (one mapping per load: writes stay private to that load)."""
-    return {
-        segment_id: arena.map_private(fd, os.fstat(fd).st_size)
-        for segment_id, fd in zip(ids, fds, strict=True)
-        if os.fstat(fd).st_size
-    }
+    sizes = {segment_id: (fd, os.fstat(fd).st_size) for segment_id, fd in zip(ids, fds, strict=True)}
+    return {segment_id: arena.map_private(fd, size) for segment_id, (fd, size) in sizes.items() if size}
 
 
 def pickle_with_refs(obj: Any, refs: Sequence[object], *, in_band: bool) -> tuple[bytes, list[memoryview], list[Any]]:

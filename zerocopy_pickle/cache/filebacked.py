@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FileRange", "Mapping", "file_ranges", "read_maps"]
+__all__ = ["FileRange", "Mapping", "address_of", "file_ranges", "read_maps"]
 
 PAGE = mmap.PAGESIZE
 _SWAPPED = 1 << 62
@@ -70,7 +70,8 @@ def read_maps(text: str | None = None) -> list[Mapping]:
     return mappings
 
 
-def _address(view: memoryview) -> int | None:
+def address_of(view: memoryview) -> int | None:
+    """The address of a writable buffer's first byte; None for a read-only one."""
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
     except TypeError:  # a read-only buffer: not the kind of view a storage gives
@@ -99,7 +100,7 @@ def file_ranges(views: Sequence[memoryview]) -> tuple[list[FileRange | None], li
     starts = [m.start for m in maps]
     found: list[tuple[int, Mapping] | None] = []
     for view in views:
-        address = _address(view) if view.nbytes else None
+        address = address_of(view) if view.nbytes else None
         mapping = None
         if address is not None:
             i = bisect.bisect_right(starts, address) - 1

@@ -20,7 +20,6 @@ Run as ``python -m zerocopy_pickle.cache.loader FD``; the server does that.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import importlib
 import os
@@ -77,10 +76,6 @@ def argument_slots(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
     return [v for v in values if not isinstance(v, (str, bytes, int, float, complex, bool, type(None)))]
 
 
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-
 def run_job(header: dict[str, Any], payload: bytes, result: socket.socket, segment_fds: Sequence[int]) -> None:
     """Execute one miss in this (forked) process and send the entry to the server."""
     clock = time.perf_counter
@@ -90,12 +85,15 @@ def run_job(header: dict[str, Any], payload: bytes, result: socket.socket, segme
     segment_ids: list[int] = header["segments"]
     private = entries.map_segments(segment_ids, segment_fds)
     pristine = {i: entries.SegmentView(fd) for i, fd in zip(segment_ids, segment_fds, strict=True)}
-    ranges = [(_address(memoryview(m)), len(m), i) for i, m in private.items()]
+    ranges: list[tuple[int, int, int]] = []
+    for segment_id, memory in private.items():
+        start = filebacked.address_of(memoryview(memory))
+        assert start is not None  # private mappings are writable
+        ranges.append((start, len(memory), segment_id))
 
     def provenance(view: memoryview) -> tuple[int, int] | None:
-        try:
-            address = _address(view)
-        except TypeError:  # read-only: not a storage of ours
+        address = filebacked.address_of(view)
+        if address is None:  # read-only: not a storage of ours
             return None
         for start, length, segment_id in ranges:
             if start <= address < start + length:

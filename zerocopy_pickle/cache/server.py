@@ -1,4 +1,5 @@
-"""The cache server: holds entries in sealed memfds and hands them to clients over a Unix socket.
+"""The cache server: holds entries (sealed memfds, and the checkpoint files they reference) and hands them to
+clients over a Unix socket.
 
 One thread per client connection. A hit is answered from memory: the entry's stream and buffer table, and
 duplicates of its segments' fds (``SCM_RIGHTS``). A miss goes to the loader (``loader.py``): concurrent

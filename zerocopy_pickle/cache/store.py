@@ -1,4 +1,5 @@
-"""The server's memory: segments (sealed memfds of storage bytes) and the entries that reference them.
+"""The server's memory: segments (sealed memfds of storage bytes, or checkpoint files) and the entries that
+reference them.
 
 An *entry* is one cached call: its pickle stream (small, kept in the server's memory) and a table of buffers,
 each a range of a *segment*. A loader writes each new storage once into a new sealed memfd; a storage that is
@@ -14,8 +15,8 @@ into a new, smaller sealed memfd and repoints the entries. Clients that mapped t
 mapping; a load in flight that references the old ranges is repointed when its entry arrives.
 
 With a persistence directory, each segment is also written to a file and the entries to an index, so a
-restarted server starts warm. This module needs only the standard library (and ``zerocopy_pickle.format``,
-which needs nothing else): the server never imports torch.
+restarted server starts warm. This module needs only the standard library (and ``zerocopy_pickle.format`` and
+``arena``, which need nothing else): the server never imports torch.
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import arena
 from ..format import align_up, buffer_alignment
 from .protocol import CacheError
 
 __all__ = ["Entry", "Segment", "Store"]
 
-_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 _INDEX = "index.json"
 
 
@@ -219,7 +220,7 @@ class Store:
         except OSError as e:
             os.close(fd)
             raise CacheError("a loader sent a segment that is not a memfd") from e
-        if seals & _SEALS != _SEALS:
+        if seals & arena.SEALS != arena.SEALS:
             os.close(fd)
             raise CacheError("a loader sent a segment that is not sealed")
         segment = Segment(self._next_segment, fd, os.fstat(fd).st_size)
@@ -382,9 +383,9 @@ class Store:
             ],
             "entries": [{**asdict(e), "stream": e.stream.hex(), "args": e.args.hex()} for e in self.entries.values()],
         }
-        tmp = self.persist / f".{_INDEX}.tmp"
-        tmp.write_text(json.dumps(index))
-        os.replace(tmp, self.persist / _INDEX)
+        with arena.atomic_output(self.persist / _INDEX) as fd:
+            os.fchmod(fd, 0o600)
+            arena.write_pieces(fd, [json.dumps(index).encode()])
 
     def _load_persisted(self) -> None:
         assert self.persist is not None
@@ -438,7 +439,7 @@ def _identity(info: os.stat_result) -> tuple[int, ...]:
 
 def _copy_ranges(fd: int, ranges: dict[int, int], layout: dict[int, int], size: int) -> int:
     """A new sealed memfd of ``size`` bytes holding each range ``offset: nbytes`` of ``fd`` at ``layout[offset]``."""
-    out = os.memfd_create("zerocopy_pickle-cache-compacted", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    out = arena.create_memfd("zerocopy_pickle-cache-compacted")
     try:
         os.ftruncate(out, size)
         if size:
@@ -448,7 +449,7 @@ def _copy_ranges(fd: int, ranges: dict[int, int], layout: dict[int, int], size: 
             ):
                 for offset, nbytes in ranges.items():
                     target[layout[offset] : layout[offset] + nbytes] = source[offset : offset + nbytes]
-        fcntl.fcntl(out, fcntl.F_ADD_SEALS, _SEALS)
+        arena.seal(out)
     except BaseException:
         os.close(out)
         raise
@@ -456,15 +457,12 @@ def _copy_ranges(fd: int, ranges: dict[int, int], layout: dict[int, int], size: 
 
 
 def _copy_to_file(fd: int, path: str, nbytes: int) -> None:
-    tmp = f"{path}.tmp"
-    out = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_CLOEXEC, 0o600)
-    try:
+    """Persist a segment: written whole under ``path`` (private), or not at all."""
+    with arena.atomic_output(path) as out:
+        os.fchmod(out, 0o600)
         offset = 0
         while offset < nbytes:
             sent = os.sendfile(out, fd, offset, nbytes - offset)
             if sent == 0:
                 raise CacheError(f"short copy while persisting a segment to {path}")
             offset += sent
-    finally:
-        os.close(out)
-    os.replace(tmp, path)
