@@ -27,6 +27,7 @@ __all__ = [
     "Piece",
     "anonymous",
     "atomic_output",
+    "buffer_address",
     "create_memfd",
     "map_private",
     "read_exact_into",
@@ -252,6 +253,14 @@ def is_sealed(fd: int) -> bool:
     except OSError:
         return False
     return seals & SEALS == SEALS
+
+
+def buffer_address(view: memoryview) -> int | None:
+    """The address of a writable buffer's first byte; None for a read-only one (ctypes cannot point into it)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except TypeError:
+        return None
 
 
 def map_private(fd: int, nbytes: int) -> mmap.mmap:

@@ -349,8 +349,13 @@ def _compile(path: Path) -> ModuleType:
         )
         _check(module)
         staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        shutil.copyfile(workdir / f"{path.stem}.so", staged)
-        os.replace(staged, path)  # other processes see the whole file or none
+        try:
+            shutil.copyfile(workdir / f"{path.stem}.so", staged)
+            os.replace(staged, path)  # other processes see the whole file or none
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged)
+            raise
         _state.imported[path] = module
         return module
     except NativeBuildError:

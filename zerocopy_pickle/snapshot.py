@@ -461,9 +461,8 @@ def load(
 
 
 def _is_aligned(view: memoryview, alignment: int) -> bool:
-    import ctypes
-
-    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % alignment == 0
+    address = arena.buffer_address(view)
+    return address is not None and address % alignment == 0
 
 
 def loads(

@@ -17,7 +17,6 @@ Anything else (a storage the loader computed, converted or wrote) is copied into
 from __future__ import annotations
 
 import bisect
-import ctypes
 import mmap
 import os
 import stat
@@ -26,7 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FileRange", "Mapping", "address_of", "file_ranges", "read_maps"]
+from .. import arena
+
+__all__ = ["FileRange", "Mapping", "file_ranges", "read_maps"]
 
 PAGE = mmap.PAGESIZE
 _SWAPPED = 1 << 62
@@ -70,14 +71,6 @@ def read_maps(text: str | None = None) -> list[Mapping]:
     return mappings
 
 
-def address_of(view: memoryview) -> int | None:
-    """The address of a writable buffer's first byte; None for a read-only one."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    except TypeError:  # a read-only buffer: not the kind of view a storage gives
-        return None
-
-
 def _written_pages(pagemap: int, start: int, end: int) -> torch.Tensor:
     """A bool per page of ``[start, end)``: whether copy-on-write replaced it (its bytes may differ from the file's)."""
     first, count = start // PAGE, (end + PAGE - 1) // PAGE - start // PAGE
@@ -100,7 +93,7 @@ def file_ranges(views: Sequence[memoryview]) -> tuple[list[FileRange | None], li
     starts = [m.start for m in maps]
     found: list[tuple[int, Mapping] | None] = []
     for view in views:
-        address = address_of(view) if view.nbytes else None
+        address = arena.buffer_address(view) if view.nbytes else None
         mapping = None
         if address is not None:
             i = bisect.bisect_right(starts, address) - 1

@@ -31,6 +31,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from .. import arena
 from ..registry import default_registry, resolve_name
 from . import entries, filebacked
 from .protocol import MAX_FDS, CacheError, receive, send
@@ -87,12 +88,12 @@ def run_job(header: dict[str, Any], payload: bytes, result: socket.socket, segme
     pristine = {i: entries.SegmentView(fd) for i, fd in zip(segment_ids, segment_fds, strict=True)}
     ranges: list[tuple[int, int, int]] = []
     for segment_id, memory in private.items():
-        start = filebacked.address_of(memoryview(memory))
+        start = arena.buffer_address(memoryview(memory))
         assert start is not None  # private mappings are writable
         ranges.append((start, len(memory), segment_id))
 
     def provenance(view: memoryview) -> tuple[int, int] | None:
-        address = filebacked.address_of(view)
+        address = arena.buffer_address(view)
         if address is None:  # read-only: not a storage of ours
             return None
         for start, length, segment_id in ranges:
