@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,10 +49,17 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
 
 
 def run_python(
-    code: str, *args: str, timeout: float = 300, check: bool = True, env: dict[str, str] | None = None
+    code: str,
+    *args: str,
+    timeout: float = 300,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    unset: Iterable[str] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh interpreter (same venv), with ``args`` as ``sys.argv[1:]`` and ``env`` added."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    """Run ``code`` in a fresh interpreter (same venv), with ``args`` as ``sys.argv[1:]``, the variables in
+    ``unset`` removed from the environment and ``env`` added."""
+    removed = set(unset)
+    env = {k: v for k, v in os.environ.items() if k not in removed} | {"PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
         capture_output=True,

@@ -18,11 +18,9 @@ ReducerConformance does not fit this plugin (its properties are tested here dire
 from __future__ import annotations
 
 import importlib
-import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +31,7 @@ from zerocopy_pickle_quirks import dynamic_modules
 import zerocopy_pickle as zp
 from zerocopy_pickle.registry import default_registry
 
-from .conftest import REPO
+from .conftest import run_python
 
 SOURCES = Path(__file__).with_name("fixtures") / "dynamic_modules"
 # Variables that decide where the libraries look, removed from the subprocesses' environment unless a test sets them.
@@ -42,20 +40,8 @@ HF_VARIABLES = ("HF_HOME", "HF_MODULES_CACHE", "XDG_CACHE_HOME", "ZEROCOPY_PICKL
 
 def run(code: str, *args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter with exactly the HF variables in ``env``."""
-    full = {k: v for k, v in os.environ.items() if k not in HF_VARIABLES}
-    full.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", **env)
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=full,
-        cwd=REPO,
-        check=False,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
-    return proc
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", **env}
+    return run_python(code, *args, env=offline, unset=HF_VARIABLES, check=check)
 
 
 SETUP = """
