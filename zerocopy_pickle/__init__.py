@@ -30,6 +30,7 @@ from .errors import (
     RestrictedLoadError,
     SnapshotError,
     Unpicklable,
+    UnsafeArgumentError,
     ZeroCopyPickleError,
 )
 from .registry import PluginWarning, Reducer, Registrar, reducers, register_reducer, unregister_reducer
@@ -75,6 +76,7 @@ __all__ = [
     "Snapshot",
     "SnapshotError",
     "Unpicklable",
+    "UnsafeArgumentError",
     "ZeroCopyPickleError",
     "ZeroCopyPickler",
     "ZeroCopyUnpickler",

@@ -19,6 +19,7 @@ __all__ = [
     "RestrictedLoadError",
     "SnapshotError",
     "Unpicklable",
+    "UnsafeArgumentError",
     "ZeroCopyPickleError",
 ]
 
@@ -32,6 +33,11 @@ class SnapshotError(ZeroCopyPickleError, ValueError):
 
     The message names the field or range that is wrong and where it is.
     """
+
+
+class UnsafeArgumentError(SnapshotError):
+    """A function a restricted load called (a safe global) was given an argument of the wrong exact type, size
+    or value: the stream is malformed or hostile. Raised by the checks in :mod:`zerocopy_pickle.validate`."""
 
 
 class IntegrityError(SnapshotError):

@@ -1,0 +1,137 @@
+"""Argument checks for the functions a restricted load may call.
+
+Every safe global (the built-in set in :mod:`zerocopy_pickle.safeglobals`, and every plugin's) is an API exposed to
+whoever wrote the stream: its arguments are whatever a hostile stream chose. Such a function checks the *exact*
+type of each argument (``type(x) is int``, never ``isinstance``: a subclass can carry an ``__index__``, ``__iter__``
+or ``__eq__`` of the attacker's choosing) and every size, before it calls anything; it never calls an argument,
+never resolves a name it was given (``getattr(torch, name)``), and never iterates an object that is not a list,
+tuple or dict built by the stream itself. These helpers raise :class:`~zerocopy_pickle.errors.UnsafeArgumentError`
+(a :class:`~zerocopy_pickle.errors.SnapshotError`) with a message naming the function and the argument.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NoReturn
+
+import torch
+
+from .errors import UnsafeArgumentError
+
+__all__ = [
+    "MAX_DIMS",
+    "MAX_ELEMENTS",
+    "dtype_from_name",
+    "expect",
+    "expect_bool",
+    "expect_int",
+    "expect_int_tuple",
+    "expect_optional",
+    "expect_str",
+    "expect_str_dict",
+    "fail",
+]
+
+MAX_DIMS = 64
+"""Most dimensions a tensor may have in a restricted load (torch's own limit is 64)."""
+MAX_ELEMENTS = 1 << 62
+"""Most elements (or bytes) any size may describe: products beyond it overflow torch's int64 arithmetic."""
+
+
+def fail(where: str, message: str) -> NoReturn:
+    """Raise the error a safe global raises for a bad argument: ``"<where>: <message>"``."""
+    raise UnsafeArgumentError(f"{where}: {message}")
+
+
+def _type_name(value: object) -> str:
+    cls = type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def expect(value: Any, types: type | tuple[type, ...], where: str, what: str) -> Any:
+    """``value`` if its exact type is one of ``types`` (subclasses are refused), else raise."""
+    allowed = types if isinstance(types, tuple) else (types,)
+    if type(value) not in allowed:
+        names = " or ".join(t.__qualname__ for t in allowed)
+        fail(where, f"{what} must be {names}, not {_type_name(value)}")
+    return value
+
+
+def expect_optional(value: Any, types: type | tuple[type, ...], where: str, what: str) -> Any:
+    """Like :func:`expect`, but ``None`` is accepted too."""
+    return None if value is None else expect(value, types, where, what)
+
+
+def expect_int(value: Any, where: str, what: str, lo: int = 0, hi: int = MAX_ELEMENTS) -> int:
+    """An exact ``int`` (not ``bool``) in ``[lo, hi]``."""
+    if type(value) is not int:
+        fail(where, f"{what} must be int, not {_type_name(value)}")
+    if not lo <= value <= hi:
+        fail(where, f"{what} {value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def expect_bool(value: Any, where: str, what: str) -> bool:
+    """An exact ``bool``."""
+    if type(value) is not bool:
+        fail(where, f"{what} must be bool, not {_type_name(value)}")
+    return value
+
+
+def expect_str(value: Any, where: str, what: str, max_len: int = 4096) -> str:
+    """An exact ``str`` of at most ``max_len`` characters."""
+    if type(value) is not str:
+        fail(where, f"{what} must be str, not {_type_name(value)}")
+    if len(value) > max_len:
+        fail(where, f"{what} is {len(value)} characters long (at most {max_len})")
+    return value
+
+
+def expect_int_tuple(
+    value: Any, where: str, what: str, *, lo: int = 0, hi: int = MAX_ELEMENTS, max_len: int = MAX_DIMS
+) -> tuple[int, ...]:
+    """A tuple (or ``torch.Size``) of at most ``max_len`` exact ints, each in ``[lo, hi]``."""
+    if type(value) not in (tuple, torch.Size):
+        fail(where, f"{what} must be a tuple of ints, not {_type_name(value)}")
+    if len(value) > max_len:
+        fail(where, f"{what} has {len(value)} entries (at most {max_len})")
+    for i, item in enumerate(value):
+        if type(item) is not int:
+            fail(where, f"{what}[{i}] must be int, not {_type_name(item)}")
+        if not lo <= item <= hi:
+            fail(where, f"{what}[{i}] = {item} is out of range [{lo}, {hi}]")
+    return tuple(value)
+
+
+def expect_str_dict(value: Any, where: str, what: str, *, max_len: int = 1 << 16) -> dict[str, Any]:
+    """A ``dict`` or ``OrderedDict`` (exact types) whose keys are all exact ``str``."""
+    import collections
+
+    if type(value) not in (dict, collections.OrderedDict):
+        fail(where, f"{what} must be a dict, not {_type_name(value)}")
+    if len(value) > max_len:
+        fail(where, f"{what} has {len(value)} entries (at most {max_len})")
+    for key in value:
+        if type(key) is not str:
+            fail(where, f"{what} has a key of type {_type_name(key)}; keys must be str")
+    return value  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=1)
+def _dtypes() -> dict[str, torch.dtype]:
+    table: dict[str, torch.dtype] = {}
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype):
+            table[name] = value
+            table[str(value)] = value  # "torch.float16"
+    return table
+
+
+def dtype_from_name(name: Any, where: str, what: str = "dtype") -> torch.dtype:
+    """A dtype by its name (``"float16"`` or ``"torch.float16"``), from a fixed table: never ``getattr``."""
+    expect_str(name, where, what, max_len=64)
+    try:
+        return _dtypes()[name]
+    except KeyError:
+        fail(where, f"{what} {name!r} is not a torch dtype")
