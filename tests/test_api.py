@@ -15,7 +15,8 @@ PUBLIC = {
     "dump", "load", "dumps", "loads", "freeze", "scan", "Snapshot", "ZeroCopyPickler", "ZeroCopyUnpickler",
     "ZeroCopyPickleError", "SnapshotError", "DumpError", "RestrictedLoadError", "DeviceError", "ArgumentError",
     "PluginError", "PluginWarning", "Reducer", "Registrar", "register_reducer", "unregister_reducer", "reducers",
-    "BACKENDS", "read_header", "IntegrityError", "Unpicklable", "__version__",
+    "BACKENDS", "read_header", "IntegrityError", "Unpicklable",
+    "UnsafeArgumentError", "allow_function", "__version__",
 }  # fmt: skip
 
 

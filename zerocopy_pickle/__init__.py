@@ -37,11 +37,13 @@ from .registry import PluginWarning, Reducer, Registrar, reducers, register_redu
 
 if TYPE_CHECKING:
     from .pickler import ZeroCopyPickler, ZeroCopyUnpickler
+    from .restricted import allow_function
     from .snapshot import BACKENDS, Snapshot, dump, dumps, freeze, load, loads, read_header, scan
 
 # Imported on first use (PEP 562), so that importing a submodule that needs no torch (the model cache's server,
 # zerocopy_pickle.errors) does not import torch either.
 _LAZY = {
+    "allow_function": "restricted",
     "ZeroCopyPickler": "pickler",
     "ZeroCopyUnpickler": "pickler",
     **dict.fromkeys(("BACKENDS", "Snapshot", "dump", "dumps", "freeze", "load", "loads", "read_header", "scan"),
@@ -81,6 +83,7 @@ __all__ = [
     "ZeroCopyPickler",
     "ZeroCopyUnpickler",
     "__version__",
+    "allow_function",
     "dump",
     "dumps",
     "freeze",

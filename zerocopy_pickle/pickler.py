@@ -26,7 +26,7 @@ import os
 import pickle
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -34,10 +34,11 @@ import torch
 
 from . import rebuild
 from .device import MapLocation, static_target
-from .errors import ArgumentError, SnapshotError
+from .errors import ArgumentError, RestrictedLoadError, SnapshotError, ZeroCopyPickleError
 from .format import BufferSpec, PluginRef
 from .registry import Registry, default_registry
-from .restricted import AllowList, AllowSpec
+from .restricted import AllowList, AllowSpec, stream_uses
+from .semantics import StreamUses
 
 __all__ = ["PROTOCOL", "ZeroCopyPickler", "ZeroCopyUnpickler", "dill_pickler"]
 
@@ -364,8 +365,11 @@ def dill_pickler(
 class ZeroCopyUnpickler(pickle.Unpickler):
     """A ``pickle.Unpickler`` (C) for streams written by :class:`ZeroCopyPickler`.
 
-    Restricted by default: the stream may only name the built-in safe globals (tensors, storages,
-    containers, primitives, this library's rebuild functions) and those in ``allow``.
+    Restricted by default: before anything runs, the stream is analysed (:mod:`zerocopy_pickle.semantics`) and
+    admitted by the call's :class:`~zerocopy_pickle.restricted.AllowList`: it may only name the built-in safe
+    set, plugins' declared safe globals and what ``allow`` admits, call only what those let it call, and fill
+    only objects it created. A restricted unpickler reads ``file`` to its end when it is made (one stream per
+    file).
 
     Args:
         file: the pickle stream (anything with ``read``, ``readline``).
@@ -373,10 +377,13 @@ class ZeroCopyUnpickler(pickle.Unpickler):
             buffer becomes a storage without a copy and is kept alive by it.
         map_location: where storages go, as for ``torch.load``.
         trusted: resolve every global (full pickle; runs whatever code the stream names).
-        allow: further globals to allow for this unpickler only (classes, functions, ``"module:qualname"``).
-            Plugins' declared safe globals are always allowed.
+        allow: further globals for this unpickler only: classes, values, ``"module:qualname"`` strings, and
+            :func:`~zerocopy_pickle.restricted.allow_function` entries for functions the stream may call.
         encoding, errors, fix_imports: as for ``pickle.Unpickler``.
         registry: whose plugins' safe globals to allow (default: the process's registry).
+        plugins: the names of the plugins whose safe globals this stream may use (a snapshot header's list);
+            None allows every registered plugin's.
+        stream_uses: the stream's analysis, when the caller already has it (:func:`zerocopy_pickle.semantics.uses`).
 
     Raises:
         ArgumentError: a malformed ``allow`` entry or ``map_location``.
@@ -394,32 +401,68 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         errors: str = "strict",
         fix_imports: bool = True,
         registry: Registry | None = None,
+        plugins: Iterable[str] | None = None,
+        stream_uses: StreamUses | None = None,
     ) -> None:
-        super().__init__(file, fix_imports=fix_imports, encoding=encoding, errors=errors, buffers=buffers)
         static_target(map_location, "cpu")  # reject a malformed map_location before reading anything
+        self._storage_builder = rebuild.StorageBuilder(map_location)
+        self._resolved: dict[tuple[str, str], object] | None = None
+        self._stream: bytes | None = None
+        self._uses = stream_uses
         if trusted:
             self.allow_list: AllowList | None = None
         else:
-            plugin_globals = (registry if registry is not None else default_registry()).safe_globals()
-            self.allow_list = AllowList(allow, extra=plugin_globals)
-        self._storage_builder = rebuild.StorageBuilder(map_location)
+            plugin_globals = _plugin_safe_globals(registry if registry is not None else default_registry(), plugins)
+            self.allow_list = AllowList(allow, extra=plugin_globals, storage_builder=self._storage_builder)
+            data = file.read()
+            self._stream = data if type(data) is bytes else bytes(data)
+            file = io.BytesIO(self._stream)
+        super().__init__(file, fix_imports=fix_imports, encoding=encoding, errors=errors, buffers=buffers)
 
     def load(self) -> Any:
-        with _gc_paused():
-            return super().load()
+        if self.allow_list is None:
+            with _gc_paused():
+                return super().load()
+        if self._resolved is None:
+            assert self._stream is not None
+            uses = self._uses if self._uses is not None else stream_uses(self._stream)
+            self._resolved = self.allow_list.admit(uses)
+        try:
+            with _gc_paused():
+                return super().load()
+        except ZeroCopyPickleError:
+            raise
+        except Exception as e:
+            # Only the safe set and allowed globals ran: a failure means the stream is malformed.
+            raise SnapshotError(f"the pickle stream does not rebuild: {type(e).__name__}: {e}") from e
 
     def find_class(self, module: str, name: str) -> Any:
+        if self._resolved is not None:
+            try:
+                return self._resolved[module, name]
+            except KeyError:  # the analysis lists every global a stream names: no stream gets here
+                raise RestrictedLoadError(
+                    f"refusing to load global {module}:{name}: the stream's analysis did not see it",
+                    refused=(module, name),
+                ) from None
+        if self.allow_list is not None:
+            raise RestrictedLoadError(
+                "a restricted unpickler resolves globals only inside load()", refused=(module, name)
+            )
         if module == "zerocopy_pickle.rebuild" and name == "rebuild_storage":
             return self._storage_builder
         try:
-            if self.allow_list is not None:
-                return self.allow_list.find_class(module, name)
             return super().find_class(module, name)
         except (ImportError, AttributeError) as e:
             raise SnapshotError(
                 f"the stream needs {module}:{name}, which cannot be imported here ({e}); install the package "
                 f"that defines it"
             ) from e
+
+
+def _plugin_safe_globals(registry: Registry, plugins: Iterable[str] | None) -> Mapping[tuple[str, str], object]:
+    found: Mapping[tuple[str, str], object] = registry.safe_globals()
+    return found
 
 
 # Note [GC during loads]: unpickling a model creates thousands of container objects (modules, their dicts,

@@ -11,12 +11,14 @@ library's unpickler substitutes for :func:`rebuild_storage`, to apply one load's
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
 
 from . import device, native
 from .device import MapLocation
+from .errors import UnsafeArgumentError
 
 __all__ = [
     "StorageBuilder",
@@ -26,6 +28,12 @@ __all__ = [
     "rebuild_typed_storage",
     "storage_from_buffer",
 ]
+
+# Note [Safe globals]
+# ~~~~~~~~~~~~~~~~~~~
+# A restricted load calls rebuild functions with arguments a hostile stream chose. It never calls the functions
+# of this module directly (except StorageBuilder, which checks its own arguments): zerocopy_pickle.safeglobals
+# wraps each in a function that checks exact types, sizes and ranges first. Trusted loads call these directly.
 
 # Note [Arena lifetime]
 # ~~~~~~~~~~~~~~~~~~~~~
@@ -133,6 +141,7 @@ class StorageBuilder:
         self._stays_on_cpu: dict[str, bool] = {}  # saved location -> whether its target is the CPU
 
     def __call__(self, buffer: Any, location: str) -> torch.UntypedStorage:
+        # A restricted load calls this with arguments the stream chose: exact types first (Note [Safe globals]).
         if type(buffer) is memoryview and buffer.format == "B" and buffer.nbytes and not buffer.readonly:
             # The load's own slices of its mapping: skip storage_from_buffer's checks (hot path).
             build = self._native
@@ -140,8 +149,18 @@ class StorageBuilder:
                 storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
             else:
                 storage = build(buffer)
-        else:
+        elif type(buffer) in (memoryview, bytes, bytearray, pickle.PickleBuffer):
             storage = storage_from_buffer(buffer)
+        else:
+            raise UnsafeArgumentError(
+                f"zerocopy_pickle.rebuild:rebuild_storage: buffer must be an out-of-band buffer or bytes, not "
+                f"{type(buffer).__qualname__}"
+            )
+        if type(location) is not str or len(location) > 64:
+            raise UnsafeArgumentError(
+                f"zerocopy_pickle.rebuild:rebuild_storage: location must be a device string, not "
+                f"{type(location).__qualname__}"
+            )
         stays = self._stays_on_cpu.get(location)
         if stays is None:
             target = device.static_target(self._map_location, location)

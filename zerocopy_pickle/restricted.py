@@ -1,10 +1,19 @@
-"""Restricted loading: which globals a stream may name, what no allow-list can permit, and what a stream needs.
+"""Restricted loading: which globals a stream may name, what it may do with each, and what no allow-list permits.
 
-Pickle resolves every class and function a stream names through ``Unpickler.find_class``; anything it
-returns can be called. A restricted load answers ``find_class`` from an :class:`AllowList`: the built-in
-safe set (tensors, storages, containers, primitives, this library's rebuild functions), plugins' declared
-safe globals, and what the caller passes for that one call. Three rules hold whatever the list says:
+Pickle resolves every class and function a stream names through ``Unpickler.find_class``, and then its opcodes
+act on what was resolved: REDUCE calls it, NEWOBJ instantiates it, BUILD sets state on whatever is below it. A
+restricted load decides both, before the C unpickler runs anything:
 
+* **What a stream does** is worked out by :mod:`zerocopy_pickle.semantics` from the opcodes alone (remembered
+  by the stream's digest): which named globals it calls, instantiates, and which results it fills. REDUCE on
+  anything but a named global, BUILD on anything but an object the load created, container opcodes on anything
+  but containers the stream built are refused there, whatever the allow-list says.
+* **What it may name** comes from an :class:`AllowList`: the built-in safe set (:mod:`zerocopy_pickle.safeglobals`:
+  validating wrappers of torch's and this library's rebuild functions, containers, primitives, dtypes), the
+  declared safe globals of the plugins the snapshot's header names (functions that check their arguments), and
+  the call's ``allow=``: classes the stream may instantiate and fill, objects it may reference as values, and
+  functions it may call only through :func:`allow_function`. :meth:`AllowList.admit` checks each use against
+  that list.
 * Matching is on exact ``(module, qualname)`` pairs. A dotted qualname is resolved only if that exact pair is
   allowed, must resolve to a class, and the object found must carry that same module and qualname: no entry
   can reach through a module's globals (``("pathlib", "os.system")``) or onto a method.
@@ -23,17 +32,32 @@ import importlib
 import io
 import os
 import pickle
+import sys
 import types
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import rebuild
-from .errors import ArgumentError, RestrictedLoadError
+from . import rebuild, semantics
+from .errors import ArgumentError, RestrictedLoadError, SnapshotError
+from .safeglobals import safe_table
+from .semantics import StreamUses
 from .streamcheck import walk_stream
 
-__all__ = ["AllowList", "AllowSpec", "format_global", "is_blocked", "refusal_message", "safe_globals", "scan_stream"]
+__all__ = [
+    "AllowFunction",
+    "AllowList",
+    "AllowSpec",
+    "allow_function",
+    "format_global",
+    "is_blocked",
+    "refusal_message",
+    "safe_globals",
+    "scan_stream",
+    "stream_uses",
+]
 
 # Note [Per-call allow-lists]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -75,7 +99,12 @@ BLOCKED_MODULES = frozenset(
         # torch and numpy entry points that load, compile or run code
         "torch.hub", "torch.jit", "torch.package", "torch.utils.cpp_extension", "torch._inductor",
         "torch._dynamo", "torch.distributed", "torch.multiprocessing", "torch._C", "torch.testing",
-        "numpy.testing", "numpy.f2py", "numpy.distutils", "numpy.lib.npyio",
+        "numpy.testing", "numpy.f2py", "numpy.distutils", "numpy.lib.npyio", "numpy.lib._npyio_impl",
+        "numpy.lib.format", "numpy.ctypeslib", "torch.fx", "torch.utils.collect_env", "torch.utils.benchmark",
+        "torch.export", "torch.onnx", "torch.compiler", "torch.library", "torch.ops", "torch._ops",
+        "torch.utils._config_module", "torch._export", "torch._higher_order_ops", "torch.cuda.memory",
+        # pagers, browsers and shells reached through documentation and terminal helpers
+        "pydoc", "pydoc_data", "antigravity", "this", "tkinter", "turtle", "curses", "readline", "rlcompleter",
     }
 )  # fmt: skip
 # Single names in otherwise unblocked modules.
@@ -96,7 +125,18 @@ BLOCKED_NAMES = frozenset(
     | {("torch.serialization", name) for name in ("load", "_load", "_legacy_load", "save", "_save",
                                                   "_legacy_save", "_open_file_like", "_open_zipfile_reader")}
     | {("torch", "load"), ("torch", "save"), ("torch", "compile"), ("torch", "from_file"), ("numpy", "load"),
-       ("numpy", "fromfile"), ("numpy", "memmap"), ("numpy", "save"), ("numpy", "savez")}
+       ("numpy", "fromfile"), ("numpy", "memmap"), ("numpy", "save"), ("numpy", "savez"), ("numpy", "loadtxt"),
+       ("numpy", "genfromtxt"), ("numpy", "fromregex"), ("numpy", "tofile"), ("torch", "from_numpy")}
+    # builtins that call or iterate what they are given, or reach the interpreter
+    | {("builtins", name) for name in ("map", "filter", "zip", "enumerate", "reversed", "iter", "next", "sorted",
+                                        "min", "max", "sum", "any", "all", "print", "__loader__", "__spec__",
+                                        "__builtins__", "id", "hash", "dir", "repr", "format", "callable")}
+    | {("functools", name) for name in ("reduce", "partialmethod", "cached_property", "wraps",
+                                         "update_wrapper", "singledispatch", "lru_cache", "cache")}
+    | {("logging", name) for name in ("FileHandler", "StreamHandler", "basicConfig", "getLogger", "config")}
+    | {("codecs", name) for name in ("open", "EncodedFile", "StreamReaderWriter", "lookup")}
+    | {("torch.serialization", name) for name in ("add_safe_globals", "safe_globals", "register_package",
+                                                  "clear_safe_globals")}
 )  # fmt: skip
 
 
@@ -107,8 +147,10 @@ def _module_blocked(module: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _blocked_objects() -> frozenset[int]:
-    """ids of the blocked callables themselves, to refuse them under any alias (``io.open``, ``pty.spawn``, ...)."""
-    objects: list[Any] = [getattr(builtins, name) for _, name in BLOCKED_NAMES if hasattr(builtins, name)]
+    """ids of well-known blocked callables, to refuse them under any alias (``io.open``, ``pty.spawn``, ...)."""
+    objects: list[Any] = [
+        getattr(builtins, name) for m, name in BLOCKED_NAMES if m == "builtins" and hasattr(builtins, name)
+    ]
     objects += [
         os.system, os.popen, os.execv, os.execve, os.spawnv, os.fork, os.remove, os.unlink, os.rmdir, os.open,
         os.kill, io.open, pickle.loads, pickle.load, pickle.Unpickler, torch.load, torch.save, torch.jit.load,
@@ -124,10 +166,20 @@ def is_blocked(pair: tuple[str, str], obj: object = None) -> bool:
     if pair in BLOCKED_NAMES or _module_blocked(module) or (module, qualname.split(".")[0]) in BLOCKED_NAMES:
         return True
     if obj is not None:
-        if id(obj) in _blocked_objects():
+        if id(obj) in _blocked_objects() or _is_blocked_object(obj):
             return True
         owner = getattr(obj, "__module__", None)
         if isinstance(owner, str) and _module_blocked(owner):
+            return True
+    return False
+
+
+def _is_blocked_object(obj: object) -> bool:
+    """Whether ``obj`` is what a blocked name denotes in a module already imported (a module not imported cannot
+    have handed its objects to anyone, so this never imports)."""
+    for module_name, name in BLOCKED_NAMES:
+        module = sys.modules.get(module_name)
+        if module is not None and getattr(module, name, None) is obj:
             return True
     return False
 
@@ -148,122 +200,246 @@ def _pair_of(obj: Any) -> tuple[str, str]:
     return module, qualname
 
 
-@functools.lru_cache(maxsize=1)
 def safe_globals() -> Mapping[tuple[str, str], object]:
-    """The built-in safe set: every global a stream of tensors, storages and containers needs.
+    """The built-in safe set: every global a stream of tensors, storages and containers needs, mapped to what a
+    restricted load pushes for it (a validating function of :mod:`zerocopy_pickle.safeglobals` for callables, the
+    object itself for values such as dtypes). Read-only; nothing ever adds to it."""
+    return _safe_values()
 
-    Constructors that turn a small argument into a large object (``bytes(n)``, ``bytearray(n)``, ``range``)
-    are left out: they would let a few bytes of stream allocate gigabytes.
 
-    Returns:
-        A read-only mapping from ``(module, qualname)`` to the object it resolves to. It is computed once;
-        nothing ever adds to it.
+@functools.lru_cache(maxsize=1)
+def _safe_values() -> Mapping[tuple[str, str], object]:
+    return types.MappingProxyType({pair: entry.value for pair, entry in safe_table().items()})
+
+
+@dataclass(frozen=True)
+class AllowFunction:
+    """An ``allow=`` entry that lets a restricted load *call* a function (see :func:`allow_function`)."""
+
+    target: object
+
+
+def allow_function(target: object) -> AllowFunction:
+    """Mark a function in ``allow=`` as callable by the stream: ``allow=[zp.allow_function(my_rebuild)]``.
+
+    A plain ``allow=`` entry admits a class (which the stream may instantiate and fill) or any object as a
+    *value* (a function referenced by a module, say ``activation=F.gelu``). Calling a function is different:
+    the stream chooses every argument, so a function the load may call must check them itself (see
+    :mod:`zerocopy_pickle.validate`). Blocked functions stay blocked.
+
+    Args:
+        target: a function, a ``"module:qualname"`` string or a ``(module, qualname)`` tuple.
     """
-    objects: list[Any] = [
-        # Containers and primitives that pickle by reference rather than by opcode.
-        collections.OrderedDict,
-        collections.defaultdict,
-        collections.deque,
-        collections.Counter,
-        *(list, dict, set, frozenset, tuple, int, float, complex, bool, str, slice),
-        # Tensors and parameters (what Tensor.__reduce_ex__ and Parameter.__reduce_ex__ name).
-        torch._utils._rebuild_tensor,
-        torch._utils._rebuild_tensor_v2,
-        torch._utils._rebuild_tensor_v3,
-        torch._utils._rebuild_parameter,
-        torch._utils._rebuild_parameter_with_state,
-        torch._utils._rebuild_qtensor,
-        torch._utils._rebuild_nested_tensor,
-        torch._utils._rebuild_meta_tensor_no_storage,
-        torch._tensor._rebuild_from_type_v2,
-        torch.serialization._get_layout,
-        torch.Tensor,
-        torch.Size,
-        torch.device,
-        torch.nn.Parameter,
-        torch.nn.Buffer,
-        # This library's storage rebuilders.
-        rebuild.rebuild_storage,
-        rebuild.rebuild_tensor,
-        rebuild.rebuild_typed_storage,
-        rebuild.rebuild_meta_storage,
-    ]
-    table: dict[tuple[str, str], object] = {_pair_of(obj): obj for obj in objects}
-    # torch builds sparse tensors without checking their indices, and checks them after torch.load: a
-    # restricted load builds them checked, at once (indices out of bounds would read out of bounds later).
-    table["torch._utils", "_rebuild_sparse_tensor"] = rebuild.rebuild_sparse_tensor_checked
-    # dtypes, qschemes and memory formats pickle as module attributes: ("torch", "float16").
-    for name in dir(torch):
-        value = getattr(torch, name, None)
-        if isinstance(value, (torch.dtype, torch.qscheme, torch.memory_format)):
-            table["torch", name] = value
-    return types.MappingProxyType(table)
+    return AllowFunction(target)
+
+
+# How an allowed global may be used: as a value only, called (REDUCE/OBJ/INST), instantiated (NEWOBJ).
+_VALUE, _FUNCTION, _CLASS, _SAFE, _STORAGE = range(5)
+
+# __new__ implementations known to return a new object every time: instances created through them (and not
+# through a metaclass __call__ of its own, as Enum's) can be filled by BUILD and the container opcodes.
+_FRESH_NEW_OWNERS = (object, dict, list, set, bytearray, collections.OrderedDict, collections.deque,
+                     collections.defaultdict)  # fmt: skip
+
+
+def _constructs_fresh(cls: type) -> bool:
+    """Whether calling or instantiating ``cls`` always yields a new object (so BUILD on it touches nothing else)."""
+    if type(cls).__call__ is not type.__call__:
+        return False
+    for base in cls.__mro__:
+        if "__new__" in vars(base):
+            return base in _FRESH_NEW_OWNERS
+    return False
 
 
 class AllowList:
-    """The globals one load may resolve: the built-in safe set plus this call's ``allow=``.
+    """The globals one load may resolve, and what it may do with each: the built-in safe set, the plugins'
+    declared safe globals, and this call's ``allow=``.
 
     Args:
-        allow: classes or functions (matched by their ``__module__`` and ``__qualname__``), strings
-            ``"module:qualname"``, or ``(module, qualname)`` tuples.
-        extra: further pairs to allow (plugins' declared safe globals), mapped to the resolved object or
-            None to import on first use.
+        allow: classes (matched by their ``__module__`` and ``__qualname__``; the stream may instantiate them
+            and fill them with BUILD), other objects admitted as values, ``"module:qualname"`` strings,
+            ``(module, qualname)`` tuples, and :func:`allow_function` entries for functions the stream may call.
+        extra: further pairs (plugins' declared safe globals), mapped to the resolved object or None to import
+            on first use. Each must be a plain function; the stream may call it.
+        storage_builder: what ``zerocopy_pickle.rebuild:rebuild_storage`` resolves to in this load.
 
     Raises:
         ArgumentError: an entry is not one of the accepted forms.
     """
 
-    __slots__ = ("_allowed", "_safe")
+    __slots__ = ("_allowed", "_extra", "_functions", "_resolved", "_safe", "_storage_builder")
 
-    def __init__(self, allow: AllowSpec = (), extra: Mapping[tuple[str, str], object | None] | None = None):
-        self._safe = safe_globals()
-        allowed: dict[tuple[str, str], object | None] = dict(extra) if extra else {}
+    def __init__(
+        self,
+        allow: AllowSpec = (),
+        extra: Mapping[tuple[str, str], object | None] | None = None,
+        *,
+        storage_builder: object = None,
+    ):
+        self._safe = safe_table()
+        self._extra: dict[tuple[str, str], object | None] = dict(extra) if extra else {}
+        self._storage_builder = storage_builder
+        allowed: dict[tuple[str, str], object | None] = {}
+        functions: set[tuple[str, str]] = set()
         if isinstance(allow, (str, bytes)) or not isinstance(allow, Iterable):
             raise ArgumentError(f"allow= must be a list of entries, not {type(allow).__name__}: wrap it in [...]")
         for item in allow:
-            if isinstance(item, str):
-                module, sep, qualname = item.partition(":")
-                if not sep or not module or not qualname or ":" in qualname:
-                    raise ArgumentError(
-                        f"allow= string {item!r} must have the form 'module:qualname', e.g. 'collections:OrderedDict'"
-                    )
-                allowed.setdefault((module, qualname), None)
-            elif isinstance(item, tuple):
-                if len(item) != 2 or not all(isinstance(p, str) and p for p in item):
-                    raise ArgumentError(f"allow= tuple {item!r:.80} must be (module, qualname), two non-empty strings")
-                allowed.setdefault((item[0], item[1]), None)
-            else:
-                allowed[_pair_of(item)] = item
+            callable_ = isinstance(item, AllowFunction)
+            target = item.target if isinstance(item, AllowFunction) else item
+            pair, obj = _entry(target)
+            if callable_:
+                functions.add(pair)
+            if obj is not None or pair not in allowed:
+                allowed[pair] = obj
         self._allowed = allowed
+        self._functions = frozenset(functions)
+        self._resolved: dict[tuple[str, str], tuple[object, int]] = {}
 
     def __contains__(self, pair: object) -> bool:
-        return pair in self._safe or pair in self._allowed
+        return pair in self._safe or pair in self._allowed or pair in self._extra or pair == _STORAGE_PAIR
+
+    def _lookup(self, pair: tuple[str, str]) -> tuple[object, int]:
+        """The object a pair resolves to in this load, and how it may be used."""
+        known = self._resolved.get(pair)
+        if known is not None:
+            return known
+        entry = self._safe.get(pair)
+        if entry is not None:
+            result: tuple[object, int] = (entry.value, _SAFE)
+        elif pair == _STORAGE_PAIR:
+            result = (self._storage_builder or rebuild.rebuild_storage, _STORAGE)
+        else:
+            if is_blocked(pair):
+                raise _blocked_error(pair)
+            if pair in self._allowed:
+                obj = self._allowed[pair]
+                if obj is None:
+                    obj = _resolve(*pair)
+                if is_blocked(pair, obj):
+                    raise _blocked_error(pair)
+                if isinstance(obj, type):
+                    use = _CLASS
+                elif pair in self._functions:
+                    if not callable(obj):
+                        raise ArgumentError(f"allow_function({format_global(pair)!r}) names a non-callable object")
+                    use = _FUNCTION
+                else:
+                    use = _VALUE
+                result = (obj, use)
+            elif pair in self._extra:
+                obj = self._extra[pair]
+                if obj is None:
+                    obj = _resolve(*pair)
+                if is_blocked(pair, obj):
+                    raise _blocked_error(pair)
+                if type(obj) is not types.FunctionType:
+                    raise RestrictedLoadError(
+                        f"refusing to load global {format_global(pair)!r}: a plugin declared it safe, but it is a "
+                        f"{type(obj).__name__}, and a plugin's safe globals must be functions that check their "
+                        f"arguments",
+                        refused=pair,
+                    )
+                result = (obj, _FUNCTION)
+            else:
+                raise RestrictedLoadError(
+                    f"refusing to load global {format_global(pair)!r}: it is not on this load's allow-list",
+                    refused=pair,
+                )
+        self._resolved[pair] = result
+        return result
 
     def find_class(self, module: str, qualname: str) -> object:
         """Resolve ``module:qualname`` if this list allows exactly that pair and it is not blocked.
 
         Raises:
-            RestrictedLoadError: the pair is blocked, or not allowed (the caller adds the full list of what
-                the stream needs; see :func:`scan_stream`).
+            RestrictedLoadError: the pair is blocked, or not allowed.
         """
-        pair = (module, qualname)
-        obj = self._safe.get(pair)
-        if obj is not None:
-            return obj
-        if is_blocked(pair):
-            raise _blocked_error(pair)
-        try:
-            obj = self._allowed[pair]
-        except KeyError:
-            raise RestrictedLoadError(
-                f"refusing to load global {format_global(pair)!r}: it is not on this load's allow-list",
-                refused=pair,
-            ) from None
-        if obj is None:
-            obj = _resolve(module, qualname)
-        if is_blocked(pair, obj):
-            raise _blocked_error(pair)
-        return obj
+        return self._lookup((module, qualname))[0]
+
+    def admit(self, uses: StreamUses) -> dict[tuple[str, str], object]:
+        """Decide whether a stream may run under this list: every global it names must be allowed, every call
+        must be of a function the list lets it call or of an allowed class, every NEWOBJ of an allowed class,
+        and every BUILD, SETITEM(S), APPEND(S) or ADDITEMS must act on an object that a safe constructor or an
+        allowed class created fresh in this load.
+
+        Returns:
+            What each named global resolves to (what the unpickler's ``find_class`` returns).
+
+        Raises:
+            RestrictedLoadError: naming every global the stream needs that this call does not allow (with the
+                ``allow=`` that would), every blocked one, or the use that is not allowed.
+        """
+        resolved: dict[tuple[str, str], object] = {}
+        refused: RestrictedLoadError | None = None
+        for pair in uses.globals:
+            try:
+                resolved[pair] = self._lookup(pair)[0]
+            except RestrictedLoadError as e:
+                refused = refused or e
+        if refused is not None:
+            raise refusal_message(refused, self, uses.globals)
+        for pair in uses.called:
+            obj, use = self._resolved[pair]
+            if use == _SAFE:
+                if not self._safe[pair].callable:
+                    raise _use_error(pair, "calls", "a value of the safe set, which no load calls")
+            elif use == _VALUE:
+                what = "function" if callable(obj) else type(obj).__name__
+                raise _use_error(
+                    pair,
+                    "calls",
+                    f"a {what} that allow= admits as a value only; a load calls a function only if allow= names "
+                    f"it with zerocopy_pickle.allow_function(...), with arguments the stream chooses",
+                )
+        for pair in uses.instantiated:
+            obj, use = self._resolved[pair]
+            if use != _CLASS:
+                raise _use_error(pair, "instantiates (NEWOBJ)", "not a class that allow= names")
+        for pair, ops in uses.mutated.items():
+            obj, use = self._resolved[pair]
+            if use == _SAFE:
+                extra_ops = ops - self._safe[pair].result_ops
+                if not extra_ops:
+                    continue
+            elif use == _CLASS and _constructs_fresh(obj):  # type: ignore[arg-type]
+                continue
+            opcodes = ", ".join(sorted(_OPCODE_NAMES[op] for op in ops))
+            raise _use_error(
+                pair,
+                f"applies {opcodes} to what",
+                "creates; a restricted load fills only objects that a safe constructor or an allowed class with "
+                "an ordinary __new__ created in this load",
+            )
+        return resolved
+
+
+_STORAGE_PAIR = ("zerocopy_pickle.rebuild", "rebuild_storage")
+_OPCODE_NAMES = {"build": "BUILD", "setitem": "SETITEM(S)", "append": "APPEND(S)", "add": "ADDITEMS"}
+
+
+def _use_error(pair: tuple[str, str], verb: str, reason: str) -> RestrictedLoadError:
+    return RestrictedLoadError(
+        f"refusing to load: the stream {verb} {format_global(pair)}, {reason}. Only trusted=True loads such a "
+        f"stream (do that only if you trust its source)",
+        refused=pair,
+    )
+
+
+def _entry(item: object) -> tuple[tuple[str, str], object]:
+    """An ``allow=`` entry as ``(pair, object or None)``."""
+    if isinstance(item, str):
+        module, sep, qualname = item.partition(":")
+        if not sep or not module or not qualname or ":" in qualname:
+            raise ArgumentError(
+                f"allow= string {item!r} must have the form 'module:qualname', e.g. 'collections:OrderedDict'"
+            )
+        return (module, qualname), None
+    if isinstance(item, tuple):
+        if len(item) != 2 or not all(isinstance(p, str) and p for p in item):
+            raise ArgumentError(f"allow= tuple {item!r:.80} must be (module, qualname), two non-empty strings")
+        return (item[0], item[1]), None
+    return _pair_of(item), item
 
 
 def _blocked_error(pair: tuple[str, str]) -> RestrictedLoadError:
@@ -278,9 +454,15 @@ def _blocked_error(pair: tuple[str, str]) -> RestrictedLoadError:
 def _resolve(module: str, qualname: str) -> object:
     """Import an allowed-by-name global. A dotted qualname must lead to a class that names itself so: walking
     attributes never reaches through a module's globals or onto a method."""
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise SnapshotError(
+            f"the stream needs {module}:{qualname}, which cannot be imported here ({e}); install the package "
+            f"that defines it"
+        ) from e
     if "." in qualname and not (isinstance(obj, type) and obj.__module__ == module and obj.__qualname__ == qualname):
         raise RestrictedLoadError(
             f"refusing to load global {format_global((module, qualname))!r}: a dotted name must lead to the class "
@@ -291,23 +473,66 @@ def _resolve(module: str, qualname: str) -> object:
     return obj
 
 
+def _classify(pair: tuple[str, str]) -> str:
+    """``"class"``, ``"function"`` or ``"unknown"``, without importing anything (a module is looked at only if
+    it is imported already: importing a module a hostile stream names runs that module's code)."""
+    module = sys.modules.get(pair[0])
+    if module is None:
+        return "unknown"
+    obj: Any = module
+    for part in pair[1].split("."):
+        obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
+        if obj is None:
+            return "unknown"
+    if isinstance(obj, type):
+        return "class"
+    if is_blocked(pair, obj):
+        return "blocked"
+    return "function" if callable(obj) else "value"
+
+
 def refusal_message(
     error: RestrictedLoadError, allow_list: AllowList, stream_globals: Iterable[tuple[str, str]]
 ) -> RestrictedLoadError:
     """The error a refused load raises: what was refused, every global the stream needs that this call does
-    not allow (as the exact ``allow=`` that would accept them), and every blocked one (which only a trusted
-    load accepts)."""
-    blocked = tuple(g for g in stream_globals if is_blocked(g))
-    needed = tuple(g for g in stream_globals if g not in allow_list and g not in blocked)
+    not allow, and every blocked one (which only a trusted load accepts). It suggests ``allow=`` only for classes
+    (and for names it cannot check without importing their module); never for a blocked global or a function."""
+    blocked = [g for g in stream_globals if is_blocked(g)]
+    classes: list[tuple[str, str]] = []
+    functions: list[tuple[str, str]] = []
+    unknown: list[tuple[str, str]] = []
+    for g in stream_globals:
+        if g in allow_list or g in blocked:
+            continue
+        kind = _classify(g)
+        if kind == "blocked":
+            blocked.append(g)
+        else:
+            {"class": classes, "unknown": unknown}.get(kind, functions).append(g)
     parts = [f"{error} (restricted load)."]
-    if needed:
-        names = ", ".join(repr(format_global(g)) for g in needed)
-        parts.append(
-            f"This snapshot needs {len(needed)} global(s) that this call does not allow: {names}. If you trust "
-            f"where it came from, pass allow=[{names}] to allow exactly those for this call"
-            + ("." if blocked else ", or trusted=True to unpickle without restrictions.")
+    suggest = classes + unknown
+    if suggest:
+        names = ", ".join(repr(format_global(g)) for g in suggest)
+        caveat = (
+            f" ({', '.join(repr(format_global(g)) for g in unknown)} could not be checked without importing "
+            f"their modules: make sure each is a class you trust)"
+            if unknown
+            else ""
         )
-    by_value = sorted({m for m, _ in (*needed, *blocked) if m.split(".")[0] in ("cloudpickle", "dill")})
+        parts.append(
+            f"This snapshot needs {len(suggest)} class(es) that this call does not allow: {names}. If you trust "
+            f"where it came from, pass allow=[{names}] to allow exactly those for this call{caveat}"
+            + ("." if blocked or functions else ", or trusted=True to unpickle without restrictions.")
+        )
+    if functions:
+        names = ", ".join(repr(format_global(g)) for g in functions)
+        parts.append(
+            f"It names {len(functions)} function(s) or other object(s) outside the safe set: {names}. A restricted "
+            f"load admits them only as values (allow=[...]) and calls a function only through "
+            f"zerocopy_pickle.allow_function(...); a function called with arguments the stream chooses can run "
+            f"code, so load with trusted=True only if you trust the snapshot's source."
+        )
+    by_value = sorted({m for m, _ in (*suggest, *functions, *blocked) if m.split(".")[0] in ("cloudpickle", "dill")})
     if by_value:
         parts.append(
             f"It holds functions or classes pickled by value ({', '.join(by_value)}): loading them runs their "
@@ -319,9 +544,38 @@ def refusal_message(
             f"It names {len(blocked)} blocked global(s) that no allow= can permit: {names}. Only trusted=True "
             f"loads it: do that only if you made this snapshot or trust its source completely."
         )
-    elif not needed:
+    elif not suggest and not functions:
         parts.append("Pass trusted=True to unpickle without restrictions.")
-    return RestrictedLoadError(" ".join(parts), refused=error.refused, needed=needed, blocked=blocked)
+    return RestrictedLoadError(
+        " ".join(parts),
+        refused=error.refused,
+        needed=tuple(suggest + functions),
+        blocked=tuple(dict.fromkeys(blocked)),
+    )
+
+
+def stream_uses(stream: bytes) -> StreamUses:
+    """:func:`zerocopy_pickle.semantics.uses`, with a refusal that also says when the stream holds code pickled by
+    value (which only a trusted load runs).
+
+    Raises:
+        RestrictedLoadError, SnapshotError: as :func:`zerocopy_pickle.semantics.uses`.
+    """
+    try:
+        return semantics.uses(stream)
+    except RestrictedLoadError as e:
+        try:
+            named = walk_stream(stream, collect_globals=True).globals
+        except SnapshotError:
+            raise e from None
+        by_value = sorted({m for m, _ in named if m.split(".")[0] in ("cloudpickle", "dill")})
+        if not by_value:
+            raise
+        raise RestrictedLoadError(
+            f"{e} It holds functions or classes pickled by value ({', '.join(by_value)}): loading them runs their "
+            f"code, so only trusted=True loads it, and only if you trust where it came from.",
+            refused=e.refused,
+        ) from None
 
 
 def scan_stream(stream: bytes | bytearray | memoryview) -> tuple[tuple[str, str], ...]:

@@ -29,11 +29,11 @@ import torch
 from . import arena, format, integrity, streamcheck
 from ._version import __version__
 from .device import MapLocation, check_targets
-from .errors import ArgumentError, DumpError, RestrictedLoadError, SnapshotError, Unpicklable, ZeroCopyPickleError
+from .errors import ArgumentError, DumpError, SnapshotError, Unpicklable, ZeroCopyPickleError
 from .locate import locate_failure
 from .pickler import ZeroCopyPickler, ZeroCopyUnpickler, dill_pickler
 from .registry import default_registry
-from .restricted import AllowSpec, refusal_message, scan_stream
+from .restricted import AllowSpec, scan_stream, stream_uses
 
 __all__ = ["BACKENDS", "Snapshot", "dump", "dumps", "freeze", "load", "loads", "read_header", "scan"]
 
@@ -310,7 +310,10 @@ def _load_view(
     if trusted is None:
         trusted = key is not None
     integrity.verify_stream(header, stream)
-    consumed = streamcheck.validated(stream)
+    # A restricted load works out what the stream does (and checks its bounds) before anything runs; a trusted
+    # one checks the bounds only. Both are remembered by the stream's digest.
+    uses = None if trusted else stream_uses(stream)
+    consumed = streamcheck.validated(stream) if uses is None else uses.next_buffers
     if consumed != len(header.buffers):
         raise SnapshotError(
             f"the pickle stream consumes {consumed} out-of-band buffer(s), the header declares {len(header.buffers)}"
@@ -321,13 +324,16 @@ def _load_view(
     if verify:
         integrity.verify_buffers(header, buffers)
     unpickler = ZeroCopyUnpickler(
-        io.BytesIO(stream), buffers=buffers, map_location=map_location, trusted=trusted, allow=allow
+        io.BytesIO(stream),
+        buffers=buffers,
+        map_location=map_location,
+        trusted=trusted,
+        allow=allow,
+        plugins=[name for name, _ in header.plugins],
+        stream_uses=uses,
     )
     try:
         return unpickler.load()
-    except RestrictedLoadError as e:
-        assert unpickler.allow_list is not None  # only restricted loads refuse
-        raise refusal_message(e, unpickler.allow_list, scan_stream(stream)) from None
     except ZeroCopyPickleError:
         raise
     except (pickle.UnpicklingError, EOFError) as e:
@@ -335,7 +341,6 @@ def _load_view(
     except Exception as e:
         if trusted:
             raise  # the snapshot's own code failed: the caller chose to run it
-        # Restricted: only the safe set and allowed globals ran, so a failure means the stream is malformed.
         raise SnapshotError(
             f"the pickle stream (offset {header.stream_offset}) does not rebuild: {type(e).__name__}: {e}"
         ) from e

@@ -1,0 +1,660 @@
+"""The built-in safe set: what a restricted load may resolve without ``allow=``, and what it may do with each.
+
+Every entry maps a ``(module, qualname)`` a stream names to a :class:`SafeGlobal`: the object pushed on the
+unpickler's stack, whether REDUCE may call it, and which of pickle's mutating opcodes (BUILD, SETITEM(S),
+APPEND(S), ADDITEMS) may act on what the call returns.
+
+Callables here are never torch's or the standard library's functions themselves: each is a function of this
+module that checks the exact type, size and range of every argument (:mod:`zerocopy_pickle.validate`) and only
+then calls the real one. A stream controls every argument, so nothing here:
+
+* resolves a name it was given (a dtype or layout comes from a fixed table, never ``getattr(torch, name)``);
+* calls a function it was given (``_rebuild_from_type_v2`` accepts only the tensor rebuilders of this table);
+* iterates anything but a list, tuple or dict the stream built with pickle's own opcodes;
+* builds a tensor whose view is out of proportion to its storage (:data:`MAX_VIEW_RATIO`), or allocates memory
+  from a size alone (``torch.Tensor(n)``, ``bytes(n)``, ``bytearray(n)`` are not here);
+* installs hooks (every ``backward_hooks`` argument must be empty).
+
+Classes that are only *values* (``torch.Tensor`` as the ``new_type`` of ``_rebuild_from_type_v2``, dtypes,
+layouts, memory formats, qschemes) are pushed as themselves and cannot be called.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import rebuild
+from .validate import (
+    expect,
+    expect_bool,
+    expect_int,
+    expect_int_tuple,
+    expect_optional,
+    expect_str,
+    fail,
+)
+
+__all__ = ["MAX_VIEW_ELEMENTS", "MAX_VIEW_RATIO", "SafeGlobal", "check_view", "safe_table"]
+
+MAX_VIEW_RATIO = 16
+"""A tensor view may cover at most this many times the elements its storage holds ..."""
+MAX_VIEW_ELEMENTS = 1 << 20
+"""... or this many elements, whichever is larger. A stride-0 view of one element with 2**31 elements costs a
+few bytes of stream and gigabytes when anything iterates or copies it; real checkpoints' broadcast views
+(``position_ids`` expanded over a batch of 1) stay far inside the bound."""
+
+BUILD, SETITEM, APPEND, ADD = "build", "setitem", "append", "add"
+"""What pickle's mutating opcodes do to an object: BUILD, SETITEM(S), APPEND(S), ADDITEMS."""
+MUTATIONS = frozenset({BUILD, SETITEM, APPEND, ADD})
+
+
+@dataclass(frozen=True)
+class SafeGlobal:
+    """One entry of the safe set.
+
+    Attributes:
+        value: what the stream's GLOBAL pushes.
+        callable: whether REDUCE may call ``value``.
+        result_ops: the mutating opcodes allowed on what calling ``value`` returns (a fresh container).
+    """
+
+    value: object
+    callable: bool = False
+    result_ops: frozenset[str] = frozenset()
+
+
+# -- tensors ---------------------------------------------------------------------------------------------------
+
+
+# Sub-byte dtypes pack several elements into each byte of their storage.
+_PER_BYTE = {torch.quint4x2: 2, torch.quint2x4: 4}
+
+
+@functools.cache
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def check_view(
+    where: str, storage_nbytes: int, dtype: torch.dtype, offset: int, size: tuple[int, ...], stride: tuple[int, ...]
+) -> None:
+    """Refuse a strided view that reads outside its storage or is out of proportion to it.
+
+    Raises:
+        UnsafeArgumentError: the view needs more bytes than the storage has, or covers more than
+            ``max(MAX_VIEW_RATIO * storage elements, MAX_VIEW_ELEMENTS)`` elements.
+    """
+    if len(size) != len(stride):
+        fail(where, f"size has {len(size)} dimensions but stride has {len(stride)}")
+    capacity = storage_nbytes * _PER_BYTE[dtype] if dtype in _PER_BYTE else storage_nbytes // _element_size(dtype)
+    numel = math.prod(size)
+    if numel == 0:
+        if offset > capacity:
+            fail(where, f"storage offset {offset} is past the storage's {capacity} elements")
+        return
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+    if last >= capacity:
+        fail(
+            where,
+            f"the view (offset {offset}, size {size}, stride {stride}) reaches element {last}, but the storage "
+            f"holds {capacity} {dtype} elements",
+        )
+    if numel > max(MAX_VIEW_RATIO * capacity, MAX_VIEW_ELEMENTS):
+        fail(
+            where,
+            f"the view covers {numel} elements of a {capacity}-element storage (more than {MAX_VIEW_RATIO}x and "
+            f"more than {MAX_VIEW_ELEMENTS}): refused as a memory amplification",
+        )
+
+
+def _empty_hooks(hooks: Any, where: str) -> None:
+    expect(hooks, (dict, collections.OrderedDict), where, "backward_hooks")
+    if hooks:
+        fail(where, "backward_hooks must be empty (hooks are code; they never travel in a restricted load)")
+
+
+def _metadata(metadata: Any, where: str) -> dict[str, bool] | None:
+    if metadata is None:
+        return None
+    expect(metadata, (dict, collections.OrderedDict), where, "metadata")
+    for key, value in metadata.items():
+        if key not in ("conj", "neg"):
+            fail(where, f"metadata key {key!r:.40} is not 'conj' or 'neg'")
+        expect_bool(value, where, f"metadata[{key!r}]")
+    return dict(metadata)
+
+
+def _shape(size: Any, stride: Any, where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return expect_int_tuple(size, where, "size"), expect_int_tuple(stride, where, "stride")
+
+
+def _requires_grad(flag: Any, dtype: torch.dtype, where: str) -> bool:
+    expect_bool(flag, where, "requires_grad")
+    if flag and not (dtype.is_floating_point or dtype.is_complex):
+        fail(where, f"requires_grad=True on a {dtype} tensor")
+    return bool(flag)
+
+
+def safe_rebuild_tensor(
+    storage: Any, dtype: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any
+) -> torch.Tensor:
+    """:func:`zerocopy_pickle.rebuild.rebuild_tensor`, arguments checked."""
+    where = "zerocopy_pickle.rebuild:rebuild_tensor"
+    if type(storage) is not torch.UntypedStorage:
+        fail(where, f"storage must be torch.UntypedStorage, not {type(storage).__qualname__}")
+    if type(dtype) is not torch.dtype:
+        fail(where, f"dtype must be torch.dtype, not {type(dtype).__qualname__}")
+    expect_int(storage_offset, where, "storage_offset")
+    size, stride = _shape(size, stride, where)
+    check_view(where, storage.nbytes(), dtype, storage_offset, size, stride)
+    return rebuild.rebuild_tensor(
+        storage, dtype, storage_offset, size, stride, _requires_grad(requires_grad, dtype, where)
+    )
+
+
+def _typed(storage: Any, where: str) -> torch.storage.TypedStorage:
+    if type(storage) is not torch.storage.TypedStorage:
+        fail(where, f"storage must be torch.storage.TypedStorage, not {type(storage).__qualname__}")
+    return storage
+
+
+def _dense(
+    where: str, storage: Any, dtype: torch.dtype, offset: Any, size: Any, stride: Any, requires_grad: Any
+) -> torch.Tensor:
+    untyped = storage._untyped_storage
+    expect_int(offset, where, "storage_offset")
+    size, stride = _shape(size, stride, where)
+    check_view(where, untyped.nbytes(), dtype, offset, size, stride)
+    tensor = torch.empty((0,), dtype=dtype, device=untyped.device)
+    tensor.set_(untyped, offset, size, stride)
+    if _requires_grad(requires_grad, dtype, where):
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def safe_rebuild_tensor_v1(storage: Any, storage_offset: Any, size: Any, stride: Any) -> torch.Tensor:
+    """``torch._utils._rebuild_tensor``, arguments checked."""
+    where = "torch._utils:_rebuild_tensor"
+    typed = _typed(storage, where)
+    return _dense(where, typed, typed.dtype, storage_offset, size, stride, False)
+
+
+def safe_rebuild_tensor_v2(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    backward_hooks: Any,
+    metadata: Any = None,
+) -> torch.Tensor:
+    """``torch._utils._rebuild_tensor_v2``, arguments checked; hooks must be empty."""
+    where = "torch._utils:_rebuild_tensor_v2"
+    typed = _typed(storage, where)
+    _empty_hooks(backward_hooks, where)
+    meta = _metadata(metadata, where)
+    tensor = _dense(where, typed, typed.dtype, storage_offset, size, stride, requires_grad)
+    if meta:
+        torch._utils.set_tensor_metadata(tensor, meta)
+    return tensor
+
+
+def safe_rebuild_tensor_v3(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    backward_hooks: Any,
+    dtype: Any,
+    metadata: Any = None,
+) -> torch.Tensor:
+    """``torch._utils._rebuild_tensor_v3``, arguments checked; hooks must be empty."""
+    where = "torch._utils:_rebuild_tensor_v3"
+    typed = _typed(storage, where)
+    expect(dtype, torch.dtype, where, "dtype")
+    _empty_hooks(backward_hooks, where)
+    meta = _metadata(metadata, where)
+    tensor = _dense(where, typed, dtype, storage_offset, size, stride, requires_grad)
+    if meta:
+        torch._utils.set_tensor_metadata(tensor, meta)
+    return tensor
+
+
+def safe_rebuild_meta_tensor_no_storage(dtype: Any, size: Any, stride: Any, requires_grad: Any) -> torch.Tensor:
+    """``torch._utils._rebuild_meta_tensor_no_storage``, arguments checked (meta tensors hold no memory)."""
+    where = "torch._utils:_rebuild_meta_tensor_no_storage"
+    expect(dtype, torch.dtype, where, "dtype")
+    size, stride = _shape(size, stride, where)
+    if len(size) != len(stride):
+        fail(where, f"size has {len(size)} dimensions but stride has {len(stride)}")
+    return torch.empty_strided(
+        size, stride, dtype=dtype, device="meta", requires_grad=_requires_grad(requires_grad, dtype, where)
+    )
+
+
+_PER_TENSOR = (torch.per_tensor_affine,)
+_PER_CHANNEL = (torch.per_channel_affine, torch.per_channel_affine_float_qparams)
+
+
+def safe_rebuild_qtensor(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    quantizer_params: Any,
+    requires_grad: Any,
+    backward_hooks: Any,
+) -> torch.Tensor:
+    """``torch._utils._rebuild_qtensor``, arguments checked *before* torch allocates the (full-size) tensor."""
+    where = "torch._utils:_rebuild_qtensor"
+    typed = _typed(storage, where)
+    _empty_hooks(backward_hooks, where)
+    expect_int(storage_offset, where, "storage_offset")
+    size, stride = _shape(size, stride, where)
+    check_view(where, typed._untyped_storage.nbytes(), typed.dtype, storage_offset, size, stride)
+    expect_bool(requires_grad, where, "requires_grad")
+    if requires_grad:
+        fail(where, "quantized tensors cannot require grad")
+    params = expect(quantizer_params, tuple, where, "quantizer_params")
+    if not params or type(params[0]) is not torch.qscheme:
+        fail(where, "quantizer_params must start with a torch.qscheme")
+    if params[0] in _PER_TENSOR:
+        if len(params) != 3:
+            fail(where, "per-tensor quantizer_params must be (qscheme, scale, zero_point)")
+        expect(params[1], float, where, "scale")
+        expect_int(params[2], where, "zero_point", lo=-(1 << 31), hi=(1 << 31) - 1)
+    elif params[0] in _PER_CHANNEL:
+        if len(params) != 4:
+            fail(where, "per-channel quantizer_params must be (qscheme, scales, zero_points, axis)")
+        expect(params[1], torch.Tensor, where, "scales")
+        expect(params[2], torch.Tensor, where, "zero_points")
+        expect_int(params[3], where, "axis", hi=max(len(size) - 1, 0))
+    else:
+        fail(where, f"unknown qscheme {params[0]}")
+    # The full-size allocation torch makes first is bounded by check_view above.
+    tensor: torch.Tensor = torch._utils._rebuild_qtensor(
+        typed, storage_offset, size, stride, params, requires_grad, collections.OrderedDict()
+    )
+    return tensor
+
+
+def _index_tensor(value: Any, where: str, what: str) -> torch.Tensor:
+    if type(value) is not torch.Tensor:
+        fail(where, f"{what} must be torch.Tensor, not {type(value).__qualname__}")
+    return value
+
+
+def safe_rebuild_sparse_tensor(layout: Any, data: Any) -> torch.Tensor:
+    """``torch._utils._rebuild_sparse_tensor`` with its invariants checked at once (torch checks them only
+    after ``torch.load`` returns; out-of-bounds indices read out of bounds later)."""
+    where = "torch._utils:_rebuild_sparse_tensor"
+    expect(layout, torch.layout, where, "layout")
+    data = expect(data, tuple, where, "data")
+    if layout == torch.sparse_coo:
+        if len(data) not in (3, 4):
+            fail(where, "COO data must be (indices, values, size[, is_coalesced])")
+        indices = _index_tensor(data[0], where, "indices")
+        values = _index_tensor(data[1], where, "values")
+        size = expect_int_tuple(data[2], where, "size")
+        coalesced = expect_optional(data[3], bool, where, "is_coalesced") if len(data) == 4 else None
+        return torch.sparse_coo_tensor(indices, values, size, check_invariants=True, is_coalesced=coalesced)
+    if layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        if len(data) != 4:
+            fail(where, "compressed data must be (compressed_indices, plain_indices, values, size)")
+        compressed = _index_tensor(data[0], where, "compressed_indices")
+        plain = _index_tensor(data[1], where, "plain_indices")
+        values = _index_tensor(data[2], where, "values")
+        size = expect_int_tuple(data[3], where, "size")
+        return torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout, check_invariants=True)
+    return fail(where, f"unknown sparse layout {layout}")
+
+
+def safe_rebuild_nested_tensor(buffer: Any, sizes: Any, strides: Any, storage_offsets: Any) -> torch.Tensor:
+    """``torch._utils._rebuild_nested_tensor``, with every component checked to lie inside the buffer."""
+    where = "torch._utils:_rebuild_nested_tensor"
+    buffer = _index_tensor(buffer, where, "buffer")
+    sizes = _index_tensor(sizes, where, "sizes")
+    strides = _index_tensor(strides, where, "strides")
+    offsets = _index_tensor(storage_offsets, where, "storage_offsets")
+    if buffer.dim() != 1 or not buffer.is_contiguous():
+        fail(where, "buffer must be a contiguous 1-D tensor")
+    if sizes.dtype != torch.int64 or strides.dtype != torch.int64 or offsets.dtype != torch.int64:
+        fail(where, "sizes, strides and storage_offsets must be int64 tensors")
+    if sizes.dim() != 2 or strides.shape != sizes.shape or offsets.shape != sizes.shape[:1]:
+        fail(where, "sizes and strides must be (n, d) tensors and storage_offsets an (n,) tensor")
+    if bool((sizes < 0).any()) or bool((strides < 0).any()) or bool((offsets < 0).any()):
+        fail(where, "sizes, strides and storage_offsets must not be negative")
+    if sizes.shape[0]:
+        empty = (sizes == 0).any(dim=1)
+        last = offsets + ((sizes - 1).clamp(min=0) * strides).sum(dim=1)
+        if bool(((last >= buffer.numel()) & ~empty).any()):
+            fail(where, f"a component reaches past the buffer's {buffer.numel()} elements")
+    return torch._nested_view_from_buffer(buffer, sizes, strides, offsets)
+
+
+_HOOK_ATTRIBUTES = frozenset({"_backward_hooks", "_post_accumulate_grad_hooks", "grad_fn", "_grad_fn"})
+
+
+def _state_dicts(state: Any, where: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    if type(state) is tuple:
+        if len(state) != 2:
+            fail(where, "state must be a dict or a (dict, slots) pair")
+        parts = state
+    else:
+        parts = (state, None)
+    out: list[dict[str, Any] | None] = []
+    for part in parts:
+        if part is None:
+            out.append(None)
+            continue
+        expect(part, (dict, collections.OrderedDict), where, "state")
+        for key in part:
+            if type(key) is not str or key.startswith("__") or key in _HOOK_ATTRIBUTES:
+                fail(where, f"state key {key!r:.60} is not a plain attribute name")
+        out.append(part)
+    return out[0], out[1]
+
+
+def _set_state(obj: Any, state: Any, where: str) -> Any:
+    dict_state, slots_state = _state_dicts(state, where)
+    for part in (dict_state, slots_state):
+        if part:
+            for key, value in part.items():
+                setattr(obj, key, value)
+    return obj
+
+
+def _parameter(data: Any, requires_grad: Any, where: str) -> torch.nn.Parameter:
+    if type(data) is not torch.Tensor:
+        fail(where, f"data must be torch.Tensor, not {type(data).__qualname__}")
+    return torch.nn.Parameter(data, _requires_grad(requires_grad, data.dtype, where))
+
+
+def safe_rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any) -> torch.nn.Parameter:
+    """``torch._utils._rebuild_parameter``, arguments checked; hooks must be empty."""
+    where = "torch._utils:_rebuild_parameter"
+    _empty_hooks(backward_hooks, where)
+    return _parameter(data, requires_grad, where)
+
+
+def safe_rebuild_parameter_with_state(
+    data: Any, requires_grad: Any, backward_hooks: Any, state: Any
+) -> torch.nn.Parameter:
+    """``torch._utils._rebuild_parameter_with_state``: hooks must be empty; state sets plain attributes only."""
+    where = "torch._utils:_rebuild_parameter_with_state"
+    _empty_hooks(backward_hooks, where)
+    _state_dicts(state, where)
+    return _set_state(_parameter(data, requires_grad, where), state, where)  # type: ignore[no-any-return]
+
+
+def safe_parameter(data: Any = None, requires_grad: Any = True) -> torch.nn.Parameter:
+    """``torch.nn.Parameter(data, requires_grad)``, arguments checked."""
+    where = "torch.nn.parameter:Parameter"
+    if data is None:
+        fail(where, "data must be a tensor")
+    return _parameter(data, requires_grad, where)
+
+
+_TENSOR_REBUILDERS: frozenset[Callable[..., Any]] = frozenset()  # filled below, once the functions exist
+
+
+def safe_rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> torch.Tensor:
+    """``torch._tensor._rebuild_from_type_v2``: ``func`` must be one of this table's tensor rebuilders (never any
+    other callable); ``new_type`` a tensor class the load resolved (the safe set's or the caller's)."""
+    where = "torch._tensor:_rebuild_from_type_v2"
+    if type(func) is not types.FunctionType or func not in _TENSOR_REBUILDERS:
+        fail(where, f"func must be one of the safe tensor rebuild functions, not {type(func).__qualname__}")
+    if type(new_type) is not type and not isinstance(new_type, type):
+        fail(where, f"new_type must be a class, not {type(new_type).__qualname__}")
+    if not issubclass(new_type, torch.Tensor):
+        fail(where, f"new_type {new_type.__qualname__} is not a tensor class")
+    expect(args, tuple, where, "args")
+    result = func(*args)
+    if type(result) is not new_type:
+        result = result.as_subclass(new_type)
+    setstate = getattr(new_type, "__setstate__", torch.Tensor.__setstate__)
+    if setstate is not torch.Tensor.__setstate__:
+        # A tensor subclass the caller allowed, with its own __setstate__: the caller's code, by their choice.
+        result.__setstate__(state)
+        return result  # type: ignore[no-any-return]
+    if state is None:
+        return result  # type: ignore[no-any-return]
+    return _set_state(result, state, where)  # type: ignore[no-any-return]
+
+
+# -- storages (this library's) -----------------------------------------------------------------------------------
+
+
+def safe_rebuild_typed_storage(storage: Any, dtype: Any) -> torch.storage.TypedStorage:
+    """:func:`zerocopy_pickle.rebuild.rebuild_typed_storage`, arguments checked."""
+    where = "zerocopy_pickle.rebuild:rebuild_typed_storage"
+    if type(storage) is not torch.UntypedStorage:
+        fail(where, f"storage must be torch.UntypedStorage, not {type(storage).__qualname__}")
+    expect(dtype, torch.dtype, where, "dtype")
+    return rebuild.rebuild_typed_storage(storage, dtype)
+
+
+def safe_rebuild_meta_storage(nbytes: Any) -> torch.UntypedStorage:
+    """:func:`zerocopy_pickle.rebuild.rebuild_meta_storage`, arguments checked (meta storages hold no memory)."""
+    return rebuild.rebuild_meta_storage(expect_int(nbytes, "zerocopy_pickle.rebuild:rebuild_meta_storage", "nbytes"))
+
+
+# -- torch values --------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _layouts() -> dict[str, torch.layout]:
+    return {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+
+
+def safe_get_layout(name: Any) -> torch.layout:
+    """``torch.serialization._get_layout``: a layout by its name, from a fixed table."""
+    where = "torch.serialization:_get_layout"
+    try:
+        return _layouts()[expect_str(name, where, "name", max_len=64)]
+    except KeyError:
+        fail(where, f"{name!r} is not a torch layout")
+
+
+def safe_size(dims: Any = ()) -> torch.Size:
+    """``torch.Size(dims)``: a tuple of non-negative ints."""
+    return torch.Size(expect_int_tuple(dims, "torch:Size", "dims"))
+
+
+def safe_device(kind: Any, index: Any = None) -> torch.device:
+    """``torch.device(kind[, index])``: a device string and an optional index."""
+    where = "torch:device"
+    expect_str(kind, where, "type", max_len=64)
+    if index is None:
+        return torch.device(kind)
+    return torch.device(kind, expect_int(index, where, "index", hi=1 << 16))
+
+
+# -- containers and primitives -------------------------------------------------------------------------------------
+
+
+def _items(value: Any, where: str) -> list[Any] | tuple[Any, ...]:
+    return expect(value, (list, tuple), where, "iterable")  # type: ignore[no-any-return]
+
+
+def safe_ordered_dict(items: Any = ()) -> collections.OrderedDict[Any, Any]:
+    """``collections.OrderedDict([(key, value), ...])``: a list or tuple of pairs, or nothing."""
+    where = "collections:OrderedDict"
+    result: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+    for pair in _items(items, where):
+        if type(pair) is not tuple or len(pair) != 2:
+            fail(where, "items must be (key, value) tuples")
+        result[pair[0]] = pair[1]
+    return result
+
+
+_FACTORIES: dict[int, object] = {}
+
+
+def safe_defaultdict(default_factory: Any = None, items: Any = ()) -> collections.defaultdict[Any, Any]:
+    """``collections.defaultdict(factory)``: the factory must be one of the safe set's container or number
+    constructors (it runs whenever a missing key is read)."""
+    where = "collections:defaultdict"
+    factory = None if default_factory is None else _FACTORIES.get(id(default_factory))
+    if default_factory is not None and factory is None:
+        fail(where, f"default_factory must be None or a safe container type, not {type(default_factory).__qualname__}")
+    result: collections.defaultdict[Any, Any] = collections.defaultdict(factory)  # type: ignore[call-overload]
+    if items:
+        expect(items, (dict, collections.OrderedDict), where, "items")
+        result.update(items)
+    return result
+
+
+def safe_deque(iterable: Any = (), maxlen: Any = None) -> collections.deque[Any]:
+    """``collections.deque(items, maxlen)``: a list or tuple the stream built."""
+    where = "collections:deque"
+    return collections.deque(_items(iterable, where), expect_optional(maxlen, int, where, "maxlen"))
+
+
+def safe_counter(counts: Any = None) -> collections.Counter[Any]:
+    """``collections.Counter(dict)``: counts from a dict the stream built."""
+    where = "collections:Counter"
+    if counts is None:
+        return collections.Counter()
+    return collections.Counter(expect(counts, dict, where, "counts"))
+
+
+def safe_set(items: Any = ()) -> set[Any]:
+    """``set(items)`` (protocols below 4 pickle sets this way): a list or tuple the stream built."""
+    return set(_items(items, "builtins:set"))
+
+
+def safe_frozenset(items: Any = ()) -> frozenset[Any]:
+    """``frozenset(items)``: a list or tuple the stream built."""
+    return frozenset(_items(items, "builtins:frozenset"))
+
+
+_NUMBER = (int, float, bool)
+
+
+def safe_int(value: Any = 0) -> int:
+    """``int(x)`` for an int, float, bool or a decimal string (Python bounds its length)."""
+    return int(expect(value, (*_NUMBER, str), "builtins:int", "value"))
+
+
+def safe_float(value: Any = 0.0) -> float:
+    """``float(x)`` for an int, float, bool or string."""
+    return float(expect(value, (*_NUMBER, str), "builtins:float", "value"))
+
+
+def safe_complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
+    """``complex(real, imag)`` (how complex numbers pickle at every protocol)."""
+    return complex(expect(real, _NUMBER, "builtins:complex", "real"), expect(imag, _NUMBER, "builtins:complex", "imag"))
+
+
+def safe_bool(value: Any = False) -> bool:
+    """``bool(x)`` for an int or bool."""
+    return bool(expect(value, (int, bool), "builtins:bool", "value"))
+
+
+def safe_str(value: Any = "") -> str:
+    """``str(x)`` for a str, int or float."""
+    return str(expect(value, (str, int, float), "builtins:str", "value"))
+
+
+def safe_slice(start: Any = None, stop: Any = None, step: Any = None) -> slice:
+    """``slice(start, stop, step)`` of ints or None."""
+    where = "builtins:slice"
+    return slice(*(expect_optional(v, int, where, "bound") for v in (start, stop, step)))
+
+
+# -- the table ---------------------------------------------------------------------------------------------------
+
+_CALLS: dict[tuple[str, str], tuple[Callable[..., Any], frozenset[str]]] = {
+    ("zerocopy_pickle.rebuild", "rebuild_tensor"): (safe_rebuild_tensor, frozenset()),
+    ("zerocopy_pickle.rebuild", "rebuild_typed_storage"): (safe_rebuild_typed_storage, frozenset()),
+    ("zerocopy_pickle.rebuild", "rebuild_meta_storage"): (safe_rebuild_meta_storage, frozenset()),
+    ("torch._utils", "_rebuild_tensor"): (safe_rebuild_tensor_v1, frozenset()),
+    ("torch._utils", "_rebuild_tensor_v2"): (safe_rebuild_tensor_v2, frozenset()),
+    ("torch._utils", "_rebuild_tensor_v3"): (safe_rebuild_tensor_v3, frozenset()),
+    ("torch._utils", "_rebuild_parameter"): (safe_rebuild_parameter, frozenset()),
+    ("torch._utils", "_rebuild_parameter_with_state"): (safe_rebuild_parameter_with_state, frozenset()),
+    ("torch._utils", "_rebuild_qtensor"): (safe_rebuild_qtensor, frozenset()),
+    ("torch._utils", "_rebuild_sparse_tensor"): (safe_rebuild_sparse_tensor, frozenset()),
+    ("torch._utils", "_rebuild_nested_tensor"): (safe_rebuild_nested_tensor, frozenset()),
+    ("torch._utils", "_rebuild_meta_tensor_no_storage"): (safe_rebuild_meta_tensor_no_storage, frozenset()),
+    ("torch._tensor", "_rebuild_from_type_v2"): (safe_rebuild_from_type_v2, frozenset()),
+    ("torch.serialization", "_get_layout"): (safe_get_layout, frozenset()),
+    ("torch.nn.parameter", "Parameter"): (safe_parameter, frozenset()),
+    ("torch", "Size"): (safe_size, frozenset()),
+    ("torch", "device"): (safe_device, frozenset()),
+    ("collections", "OrderedDict"): (safe_ordered_dict, frozenset({SETITEM, BUILD})),
+    ("collections", "defaultdict"): (safe_defaultdict, frozenset({SETITEM})),
+    ("collections", "deque"): (safe_deque, frozenset({APPEND})),
+    ("collections", "Counter"): (safe_counter, frozenset({SETITEM})),
+    ("builtins", "set"): (safe_set, frozenset({ADD})),
+    ("builtins", "frozenset"): (safe_frozenset, frozenset()),
+    ("builtins", "int"): (safe_int, frozenset()),
+    ("builtins", "float"): (safe_float, frozenset()),
+    ("builtins", "complex"): (safe_complex, frozenset()),
+    ("builtins", "bool"): (safe_bool, frozenset()),
+    ("builtins", "str"): (safe_str, frozenset()),
+    ("builtins", "slice"): (safe_slice, frozenset()),
+}
+_TENSOR_REBUILDERS = frozenset(
+    {
+        safe_rebuild_tensor,
+        safe_rebuild_tensor_v1,
+        safe_rebuild_tensor_v2,
+        safe_rebuild_tensor_v3,
+        safe_rebuild_parameter,
+        safe_rebuild_parameter_with_state,
+        safe_rebuild_qtensor,
+        safe_rebuild_sparse_tensor,
+        safe_rebuild_nested_tensor,
+        safe_rebuild_meta_tensor_no_storage,
+    }
+)
+_FACTORIES.update({id(cls): cls for cls in (list, dict, tuple, set, frozenset, int, float, complex, bool, str)})
+_FACTORIES.update(
+    {
+        id(safe_set): set,
+        id(safe_frozenset): frozenset,
+        id(safe_int): int,
+        id(safe_float): float,
+        id(safe_complex): complex,
+        id(safe_bool): bool,
+        id(safe_str): str,
+        id(safe_ordered_dict): collections.OrderedDict,
+        id(safe_counter): collections.Counter,
+        id(safe_deque): collections.deque,
+    }
+)
+
+
+@functools.lru_cache(maxsize=1)
+def safe_table() -> Mapping[tuple[str, str], SafeGlobal]:
+    """The built-in safe set, computed once and read-only.
+
+    ``zerocopy_pickle.rebuild:rebuild_storage`` is not in it: the unpickler substitutes the load's own
+    :class:`~zerocopy_pickle.rebuild.StorageBuilder`, which checks its arguments.
+    """
+    table: dict[tuple[str, str], SafeGlobal] = {
+        pair: SafeGlobal(fn, callable=True, result_ops=ops) for pair, (fn, ops) in _CALLS.items()
+    }
+    # Values a stream names but never calls: tensor classes (as _rebuild_from_type_v2's new_type), dtypes,
+    # layouts, memory formats, qschemes.
+    table["torch", "Tensor"] = SafeGlobal(torch.Tensor)
+    # Container types as values (``defaultdict(list)``); their constructors are not callable here.
+    for cls in (list, dict, tuple):
+        table["builtins", cls.__name__] = SafeGlobal(cls)
+    table["torch._tensor", "Tensor"] = SafeGlobal(torch.Tensor)
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, (torch.dtype, torch.qscheme, torch.memory_format, torch.layout)):
+            table["torch", name] = SafeGlobal(value)
+    return types.MappingProxyType(table)

@@ -1,0 +1,447 @@
+"""What a pickle stream does to which value, decided before the C unpickler runs it (restricted loads).
+
+Pickle's opcodes act on values: REDUCE calls the value below its argument tuple, NEWOBJ instantiates a class,
+BUILD sets state on an object (its ``__setstate__``, or its ``__dict__`` and attributes), APPEND(S),
+SETITEM(S) and ADDITEMS call ``append``/``extend``/``__setitem__``/``add`` on anything that is not an exact
+list, dict or set. An allow-list of *names* cannot make that safe: BUILD on an allowed function rewrites its
+``__defaults__``, BUILD on an allowed class replaces its methods, and an allowed callable that iterates or calls
+its argument runs whatever the stream put there.
+
+:func:`analyze` runs the stream once over *tags* instead of values: the exact stack, mark and memo semantics of
+CPython's C unpickler (``Modules/_pickle.c``; ``Lib/pickle.py``'s stack-of-frames model), with each value
+replaced by where it came from — a primitive, a string (with its text), a tuple/list/dict/set built by pickle's
+own opcodes, an out-of-band buffer, the global ``(module, qualname)`` a GLOBAL named, or the *result* of calling
+a named global. Since the C unpickler's data flow is fully determined by the opcodes, the tag of every value it
+will hold is known exactly. The analysis refuses, with the byte offset:
+
+* REDUCE, OBJ, INST, NEWOBJ and NEWOBJ_EX on anything but a global named by the stream itself (so a callable can
+  only come from the load's allow-list, never from a call's result, a container or the memo's other values),
+  and argument tuples not built by pickle's tuple opcodes;
+* BUILD on anything but the result of calling a named global — never on a global itself (a class, a function,
+  a module-level object), a container or a primitive;
+* APPEND(S) except on a list built by opcodes or a call's result, SETITEM(S) except on a dict or a call's
+  result, ADDITEMS except on a set or a call's result;
+* STACK_GLOBAL whose names are not string literals, extension codes (EXT1/2/4), persistent IDs;
+* values nested deeper than :data:`MAX_DEPTH` (hashing a deeply nested tuple recurses in C without a limit).
+
+What remains depends on the allow-list and is decided per load by
+:meth:`zerocopy_pickle.restricted.AllowList.admit` from the returned :class:`StreamUses`: which globals are
+called, instantiated, and which mutating opcodes reach the results of which globals. The analysis depends on
+the stream's bytes alone, so :func:`uses` remembers it by the stream's BLAKE2b digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import streamcheck
+from .errors import RestrictedLoadError, SnapshotError
+
+__all__ = ["MAX_DEPTH", "StreamUses", "analyze", "uses"]
+
+MAX_DEPTH = 5_000
+"""Deepest nesting of values a restricted load accepts. pickle.dump itself stops near the recursion limit
+(1,000 by default); hashing a tuple nested 150,000 deep overflows the C stack."""
+
+BUILD, SETITEM, APPEND, ADD = "build", "setitem", "append", "add"
+
+# Tag kinds.
+_PRIM, _STR, _BYTES, _TUPLE, _LIST, _DICT, _SET, _FROZENSET, _GLOBAL, _RESULT, _BUFFER = range(11)
+_KIND_NAMES = (
+    "a number or constant",
+    "a string",
+    "bytes",
+    "a tuple",
+    "a list",
+    "a dict",
+    "a set",
+    "a frozenset",
+    "a global",
+    "a call's result",
+    "a buffer",
+)
+
+
+class _Tag:
+    """Where a stack value came from. Containers' ``depth`` is their nesting so far."""
+
+    __slots__ = ("depth", "kind", "pair")
+
+    def __init__(self, kind: int, pair: Any = None, depth: int = 0) -> None:
+        self.kind = kind
+        self.pair = pair  # a global's (module, qualname); a string's text (None if unknown)
+        self.depth = depth
+
+    def describe(self) -> str:
+        if self.kind in (_GLOBAL, _RESULT) and self.pair is not None:
+            what = f"{self.pair[0]}:{self.pair[1]}"
+            return f"the global {what}" if self.kind == _GLOBAL else f"the result of calling {what}"
+        return _KIND_NAMES[self.kind]
+
+
+_PRIM_TAG = _Tag(_PRIM)
+_BYTES_TAG = _Tag(_BYTES)
+_BUFFER_TAG = _Tag(_BUFFER)
+_UNKNOWN_STR = _Tag(_STR, None)
+
+
+@dataclass(frozen=True)
+class StreamUses:
+    """What a stream does, as far as a restricted load's policy is concerned.
+
+    Attributes:
+        globals: every ``(module, qualname)`` it names, in order of first appearance.
+        called: globals that REDUCE, OBJ or INST call.
+        instantiated: globals that NEWOBJ or NEWOBJ_EX instantiate (``cls.__new__(cls, ...)``).
+        mutated: for each global, the mutating opcodes (``"build"``, ``"setitem"``, ``"append"``, ``"add"``)
+            applied to what calling or instantiating it returned.
+        next_buffers: how many out-of-band buffers it consumes.
+    """
+
+    globals: tuple[tuple[str, str], ...]
+    called: frozenset[tuple[str, str]]
+    instantiated: frozenset[tuple[str, str]]
+    mutated: Mapping[tuple[str, str], frozenset[str]]
+    next_buffers: int
+
+
+def _refuse(pos: int, message: str) -> RestrictedLoadError:
+    return RestrictedLoadError(
+        f"refusing to load: at byte {pos} of the pickle stream, {message}. A restricted load never allows this, "
+        f"whatever allow= says; only trusted=True loads such a stream (do that only if you trust its source)",
+        refused=("<stream>", f"byte {pos}"),
+    )
+
+
+def _too_deep(pos: int) -> SnapshotError:
+    return SnapshotError(
+        f"the pickle stream nests values more than {MAX_DEPTH} levels deep (at byte {pos}); no pickler writes "
+        f"that, and hashing such a value would overflow the C stack"
+    )
+
+
+def _container(kind: int, items: list[_Tag], pos: int) -> _Tag:
+    depth = 0
+    for item in items:
+        depth = max(depth, item.depth)
+    if depth >= MAX_DEPTH:
+        raise _too_deep(pos)
+    return _Tag(kind, None, depth + 1)
+
+
+def _grow(target: _Tag, items: list[_Tag], pos: int) -> None:
+    depth = target.depth
+    for item in items:
+        if item.depth >= depth:
+            depth = item.depth + 1
+    if depth > MAX_DEPTH:
+        raise _too_deep(pos)
+    target.depth = depth
+
+
+def _line(data: bytes, pos: int) -> tuple[bytes, int]:
+    end = data.index(b"\n", pos)
+    return data[pos:end], end + 1
+
+
+def analyze(stream: bytes) -> StreamUses:
+    """Run the stream over tags (see the module docstring). The stream must already have passed
+    :func:`zerocopy_pickle.streamcheck.check_stream` (lengths, memo indices, stack and MARK bounds).
+
+    Raises:
+        RestrictedLoadError: the stream does something no restricted load allows (naming the opcode and offset).
+        SnapshotError: it is malformed, or nests values deeper than :data:`MAX_DEPTH`.
+    """
+    data = stream
+    end = len(data)
+    pos = 0
+    stack: list[_Tag] = []
+    metastack: list[list[_Tag]] = []
+    memo: dict[int, _Tag] = {}
+    found: dict[tuple[str, str], None] = {}
+    called: set[tuple[str, str]] = set()
+    instantiated: set[tuple[str, str]] = set()
+    mutated: dict[tuple[str, str], set[str]] = {}
+    buffers = 0
+    from_bytes = int.from_bytes
+    start = 0
+    try:
+        while pos < end:
+            start = pos
+            op = data[pos]
+            pos += 1
+            # Ordered by how often snapshot streams use each opcode.
+            if op == 0x94:  # MEMOIZE
+                memo[len(memo)] = stack[-1]
+            elif op == 0x4B:  # BININT1
+                pos += 1
+                stack.append(_PRIM_TAG)
+            elif op == 0x68:  # BINGET
+                stack.append(memo[data[pos]])
+                pos += 1
+            elif op == 0x8C:  # SHORT_BINUNICODE
+                n = data[pos]
+                stack.append(_Tag(_STR, data[pos + 1 : pos + 1 + n].decode("utf-8", "surrogatepass")))
+                pos += 1 + n
+            elif op == 0x52:  # REDUCE
+                args = stack.pop()
+                func = stack[-1]
+                if func.kind != _GLOBAL:
+                    raise _refuse(
+                        start, f"REDUCE calls {func.describe()}; only a global the stream names may be called"
+                    )
+                if args.kind != _TUPLE:
+                    raise _refuse(start, f"REDUCE passes {args.describe()} as the argument tuple")
+                called.add(func.pair)
+                stack[-1] = _Tag(_RESULT, func.pair, args.depth + 1)
+            elif op == 0x85:  # TUPLE1
+                stack[-1] = _container(_TUPLE, stack[-1:], start)
+            elif op == 0x28:  # MARK
+                metastack.append(stack)
+                stack = []
+            elif op == 0x97:  # NEXT_BUFFER
+                buffers += 1
+                stack.append(_BUFFER_TAG)
+            elif op == 0x86:  # TUPLE2
+                stack[-2:] = [_container(_TUPLE, stack[-2:], start)]
+            elif op in (0x88, 0x89, 0x4E):  # NEWTRUE, NEWFALSE, NONE
+                stack.append(_PRIM_TAG)
+            elif op == 0x74:  # TUPLE
+                items = stack
+                stack = metastack.pop()
+                stack.append(_container(_TUPLE, items, start))
+            elif op == 0x87:  # TUPLE3
+                stack[-3:] = [_container(_TUPLE, stack[-3:], start)]
+            elif op == 0x93:  # STACK_GLOBAL
+                name = stack.pop()
+                module = stack.pop()
+                if module.kind != _STR or name.kind != _STR or module.pair is None or name.pair is None:
+                    raise _refuse(start, "STACK_GLOBAL takes its names from values that are not string literals")
+                pair = (module.pair, name.pair)
+                found[pair] = None
+                stack.append(_Tag(_GLOBAL, pair))
+            elif op in (0x71, 0x72):  # BINPUT, LONG_BINPUT
+                if op == 0x71:
+                    index = data[pos]
+                    pos += 1
+                else:
+                    index = from_bytes(data[pos : pos + 4], "little")
+                    pos += 4
+                memo[index] = stack[-1]
+            elif op == 0x6A:  # LONG_BINGET
+                stack.append(memo[from_bytes(data[pos : pos + 4], "little")])
+                pos += 4
+            elif op in (0x4A, 0x4D, 0x47):  # BININT, BININT2, BINFLOAT
+                pos += 4 if op == 0x4A else 2 if op == 0x4D else 8
+                stack.append(_PRIM_TAG)
+            elif op in (0x8A, 0x8B):  # LONG1, LONG4
+                if op == 0x8A:
+                    n = data[pos]
+                    pos += 1 + n
+                else:
+                    n = from_bytes(data[pos : pos + 4], "little", signed=True)
+                    pos += 4 + n
+                stack.append(_PRIM_TAG)
+            elif op in (0x58, 0x8D):  # BINUNICODE, BINUNICODE8
+                width = 4 if op == 0x58 else 8
+                n = from_bytes(data[pos : pos + width], "little")
+                pos += width
+                stack.append(_Tag(_STR, data[pos : pos + n].decode("utf-8", "surrogatepass")))
+                pos += n
+            elif op in (0x43, 0x42, 0x8E, 0x96):  # SHORT_BINBYTES, BINBYTES, BINBYTES8, BYTEARRAY8
+                width = 1 if op == 0x43 else 4 if op == 0x42 else 8
+                n = from_bytes(data[pos : pos + width], "little")
+                pos += width + n
+                stack.append(_BYTES_TAG)
+            elif op in (0x55, 0x54):  # SHORT_BINSTRING, BINSTRING (decoded with the unpickler's encoding)
+                width = 1 if op == 0x55 else 4
+                n = from_bytes(data[pos : pos + width], "little", signed=op == 0x54)
+                pos += width + n
+                stack.append(_UNKNOWN_STR)
+            elif op == 0x7D:  # EMPTY_DICT
+                stack.append(_Tag(_DICT, None, 1))
+            elif op == 0x5D:  # EMPTY_LIST
+                stack.append(_Tag(_LIST, None, 1))
+            elif op == 0x29:  # EMPTY_TUPLE
+                stack.append(_Tag(_TUPLE, None, 1))
+            elif op == 0x8F:  # EMPTY_SET
+                stack.append(_Tag(_SET, None, 1))
+            elif op == 0x75:  # SETITEMS
+                items = stack
+                stack = metastack.pop()
+                if len(items) % 2:
+                    raise SnapshotError(f"the pickle stream is malformed at byte {start}: odd number of SETITEMS items")
+                _mutate(stack[-1], SETITEM, _DICT, items, start, mutated)
+            elif op == 0x73:  # SETITEM
+                value = stack.pop()
+                key = stack.pop()
+                _mutate(stack[-1], SETITEM, _DICT, [key, value], start, mutated)
+            elif op == 0x65:  # APPENDS
+                items = stack
+                stack = metastack.pop()
+                _mutate(stack[-1], APPEND, _LIST, items, start, mutated)
+            elif op == 0x61:  # APPEND
+                item = stack.pop()
+                _mutate(stack[-1], APPEND, _LIST, [item], start, mutated)
+            elif op == 0x90:  # ADDITEMS
+                items = stack
+                stack = metastack.pop()
+                _mutate(stack[-1], ADD, _SET, items, start, mutated)
+            elif op == 0x62:  # BUILD
+                state = stack.pop()
+                inst = stack[-1]
+                if inst.kind != _RESULT:
+                    raise _refuse(
+                        start,
+                        f"BUILD sets state on {inst.describe()}; only objects this load created by calling an "
+                        f"allowed class may receive state",
+                    )
+                mutated.setdefault(inst.pair, set()).add(BUILD)
+                _grow(inst, [state], start)
+            elif op in (0x81, 0x92):  # NEWOBJ, NEWOBJ_EX
+                if op == 0x92:
+                    kwargs = stack.pop()
+                    if kwargs.kind != _DICT:
+                        raise _refuse(start, f"NEWOBJ_EX passes {kwargs.describe()} as its keyword arguments")
+                args = stack.pop()
+                cls = stack.pop()
+                if cls.kind != _GLOBAL:
+                    raise _refuse(start, f"NEWOBJ instantiates {cls.describe()}; only a named class may be")
+                if args.kind != _TUPLE:
+                    raise _refuse(start, f"NEWOBJ passes {args.describe()} as the argument tuple")
+                instantiated.add(cls.pair)
+                stack.append(_Tag(_RESULT, cls.pair, args.depth + 1))
+            elif op == 0x64:  # DICT
+                items = stack
+                stack = metastack.pop()
+                if len(items) % 2:
+                    raise SnapshotError(f"the pickle stream is malformed at byte {start}: odd number of DICT items")
+                stack.append(_container(_DICT, items, start))
+            elif op == 0x6C:  # LIST
+                items = stack
+                stack = metastack.pop()
+                stack.append(_container(_LIST, items, start))
+            elif op == 0x91:  # FROZENSET
+                items = stack
+                stack = metastack.pop()
+                stack.append(_container(_FROZENSET, items, start))
+            elif op == 0x6F:  # OBJ: MARK cls arg1 ... argN OBJ
+                items = stack
+                stack = metastack.pop()
+                if not items or items[0].kind != _GLOBAL:
+                    what = items[0].describe() if items else "nothing"
+                    raise _refuse(start, f"OBJ instantiates {what}; only a named class may be")
+                called.add(items[0].pair)
+                stack.append(_Tag(_RESULT, items[0].pair, _container(_TUPLE, items[1:], start).depth))
+            elif op in (0x63, 0x69):  # GLOBAL, INST: "module\nname\n" inline
+                module_text, pos = _line(data, pos)
+                name_text, pos = _line(data, pos)
+                pair = (module_text.decode("utf-8"), name_text.decode("utf-8"))
+                found[pair] = None
+                if op == 0x63:
+                    stack.append(_Tag(_GLOBAL, pair))
+                else:
+                    items = stack
+                    stack = metastack.pop()
+                    called.add(pair)
+                    stack.append(_Tag(_RESULT, pair, _container(_TUPLE, items, start).depth))
+            elif op == 0x32:  # DUP
+                stack.append(stack[-1])
+            elif op == 0x30:  # POP: the top value, or the MARK when the frame is empty (as the C unpickler does)
+                if stack:
+                    stack.pop()
+                else:
+                    stack = metastack.pop()
+            elif op == 0x31:  # POP_MARK
+                stack = metastack.pop()
+            elif op == 0x98:  # READONLY_BUFFER
+                if stack[-1].kind not in (_BUFFER, _BYTES):
+                    raise _refuse(start, f"READONLY_BUFFER applies to {stack[-1].describe()}")
+            elif op in (0x80, 0x95):  # PROTO, FRAME
+                pos += 1 if op == 0x80 else 8
+            elif op in (0x49, 0x4C, 0x46):  # INT, LONG, FLOAT (text)
+                _, pos = _line(data, pos)
+                stack.append(_PRIM_TAG)
+            elif op == 0x53:  # STRING (text)
+                _, pos = _line(data, pos)
+                stack.append(_UNKNOWN_STR)
+            elif op == 0x56:  # UNICODE (raw-unicode-escape text)
+                text, pos = _line(data, pos)
+                stack.append(_Tag(_STR, text.decode("raw-unicode-escape")))
+            elif op in (0x70, 0x67):  # PUT, GET (text index)
+                text, pos = _line(data, pos)
+                if op == 0x70:
+                    memo[int(text)] = stack[-1]
+                else:
+                    stack.append(memo[int(text)])
+            elif op in (0x82, 0x83, 0x84):  # EXT1, EXT2, EXT4
+                raise _refuse(start, "an extension code (EXT1/2/4) names a global through copyreg's registry")
+            elif op in (0x50, 0x51):  # PERSID, BINPERSID
+                raise _refuse(start, "a persistent ID is not part of this format")
+            elif op == 0x2E:  # STOP
+                if pos != end or metastack or len(stack) != 1:
+                    raise SnapshotError(f"the pickle stream is malformed at byte {start}: STOP with a bad stack")
+                return StreamUses(
+                    globals=tuple(found),
+                    called=frozenset(called),
+                    instantiated=frozenset(instantiated),
+                    mutated={pair: frozenset(ops) for pair, ops in mutated.items()},
+                    next_buffers=buffers,
+                )
+            else:
+                raise SnapshotError(f"the pickle stream is malformed at byte {start}: unknown opcode {op:#04x}")
+    except (IndexError, KeyError, ValueError, UnicodeDecodeError) as e:
+        if isinstance(e, SnapshotError):
+            raise
+        raise SnapshotError(
+            f"the pickle stream is malformed at byte {start}: {type(e).__name__} ({e}) while checking what it does"
+        ) from None
+    raise SnapshotError("the pickle stream ends without STOP")
+
+
+def _mutate(
+    target: _Tag, op: str, own_kind: int, items: list[_Tag], pos: int, mutated: dict[tuple[str, str], set[str]]
+) -> None:
+    if target.kind == _RESULT:
+        mutated.setdefault(target.pair, set()).add(op)
+    elif target.kind != own_kind:
+        opcode = {SETITEM: "SETITEM(S)", APPEND: "APPEND(S)", ADD: "ADDITEMS"}[op]
+        raise _refuse(
+            pos,
+            f"{opcode} applies to {target.describe()}; pickle's containers are filled only when they are "
+            f"{_KIND_NAMES[own_kind]} built by the stream or an object this load created",
+        )
+    _grow(target, items, pos)
+
+
+_CACHE: OrderedDict[bytes, StreamUses] = OrderedDict()
+_CACHE_MAX = 512
+_CACHE_LOCK = threading.Lock()
+
+
+def uses(stream: bytes) -> StreamUses:
+    """:func:`zerocopy_pickle.streamcheck.check_stream` then :func:`analyze`, remembered by the stream's BLAKE2b
+    digest (a cryptographic digest, so no other stream can pose as an analysed one): loading the same snapshot
+    again costs a hash of its stream.
+
+    Raises:
+        SnapshotError, RestrictedLoadError: as the two checks do.
+    """
+    digest = hashlib.blake2b(stream, digest_size=32).digest()
+    with _CACHE_LOCK:
+        known = _CACHE.get(digest)
+        if known is not None:
+            _CACHE.move_to_end(digest)
+            return known
+    streamcheck.check_stream(stream)
+    result = analyze(stream)
+    with _CACHE_LOCK:
+        _CACHE[digest] = result
+        if len(_CACHE) > _CACHE_MAX:
+            _CACHE.popitem(last=False)
+    return result
