@@ -27,12 +27,13 @@ import math
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from . import rebuild
 from .validate import (
+    MAX_DIMS,
     expect,
     expect_bool,
     expect_int,
@@ -84,7 +85,13 @@ def _element_size(dtype: torch.dtype) -> int:
 
 
 def check_view(
-    where: str, storage_nbytes: int, dtype: torch.dtype, offset: int, size: tuple[int, ...], stride: tuple[int, ...]
+    where: str,
+    storage_nbytes: int,
+    dtype: torch.dtype,
+    offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    ratio: int = MAX_VIEW_RATIO,
 ) -> None:
     """Refuse a strided view that reads outside its storage or is out of proportion to it.
 
@@ -107,10 +114,10 @@ def check_view(
             f"the view (offset {offset}, size {size}, stride {stride}) reaches element {last}, but the storage "
             f"holds {capacity} {dtype} elements",
         )
-    if numel > max(MAX_VIEW_RATIO * capacity, MAX_VIEW_ELEMENTS):
+    if numel > max(ratio * capacity, MAX_VIEW_ELEMENTS):
         fail(
             where,
-            f"the view covers {numel} elements of a {capacity}-element storage (more than {MAX_VIEW_RATIO}x and "
+            f"the view covers {numel} elements of a {capacity}-element storage (more than {ratio}x and "
             f"more than {MAX_VIEW_ELEMENTS}): refused as a memory amplification",
         )
 
@@ -143,21 +150,71 @@ def _requires_grad(flag: Any, dtype: torch.dtype, where: str) -> bool:
     return bool(flag)
 
 
+_UNTYPED = torch.UntypedStorage
+_DTYPE = torch.dtype
+_PROTOTYPES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _exact_ints(values: tuple[Any, ...]) -> bool:
+    for value in values:  # noqa: SIM110 - a loop is several times cheaper than all() over a generator here
+        if type(value) is not int or value < 0:
+            return False
+    return True
+
+
+def _set_view(
+    where: str, storage: torch.UntypedStorage, dtype: torch.dtype, offset: int, size: tuple[int, ...], stride: Any
+) -> torch.Tensor:
+    """A tensor over ``storage``; torch's ``set_`` checks that the view fits, this checks its proportion."""
+    device = storage.device
+    try:
+        prototype = _PROTOTYPES[dtype, device]
+    except KeyError:
+        prototype = _PROTOTYPES[dtype, device] = torch.empty(0, dtype=dtype, device=device)
+    tensor = prototype.new()
+    try:
+        tensor.set_(storage, offset, size, stride)
+    except RuntimeError:
+        check_view(where, storage.nbytes(), dtype, offset, size, stride)  # raises the precise error
+        raise
+    numel = tensor.numel()
+    if numel > MAX_VIEW_ELEMENTS:
+        check_view(where, storage.nbytes(), dtype, offset, size, stride)
+    return tensor
+
+
 def safe_rebuild_tensor(
     storage: Any, dtype: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any
 ) -> torch.Tensor:
-    """:func:`zerocopy_pickle.rebuild.rebuild_tensor`, arguments checked."""
-    where = "zerocopy_pickle.rebuild:rebuild_tensor"
-    if type(storage) is not torch.UntypedStorage:
+    """:func:`zerocopy_pickle.rebuild.rebuild_tensor`, arguments checked (the hot path of a restricted load)."""
+    if (
+        type(storage) is not _UNTYPED
+        or type(dtype) is not _DTYPE
+        or type(storage_offset) is not int
+        or storage_offset < 0
+        or type(size) is not tuple
+        or type(stride) is not tuple
+        or len(size) != len(stride)
+        or len(size) > MAX_DIMS
+        or not _exact_ints(size)
+        or not _exact_ints(stride)
+    ):
+        return _explain_dense("zerocopy_pickle.rebuild:rebuild_tensor", storage, dtype, storage_offset, size, stride)
+    tensor = _set_view("zerocopy_pickle.rebuild:rebuild_tensor", storage, dtype, storage_offset, size, stride)
+    if requires_grad is not False:
+        tensor.requires_grad_(_requires_grad(requires_grad, dtype, "zerocopy_pickle.rebuild:rebuild_tensor"))
+    return tensor
+
+
+def _explain_dense(where: str, storage: Any, dtype: Any, offset: Any, size: Any, stride: Any) -> NoReturn:
+    """Raise the precise error for arguments the fast checks refused."""
+    if type(storage) is not _UNTYPED:
         fail(where, f"storage must be torch.UntypedStorage, not {type(storage).__qualname__}")
-    if type(dtype) is not torch.dtype:
-        fail(where, f"dtype must be torch.dtype, not {type(dtype).__qualname__}")
-    expect_int(storage_offset, where, "storage_offset")
+    expect(dtype, torch.dtype, where, "dtype")
+    expect_int(offset, where, "storage_offset")
     size, stride = _shape(size, stride, where)
-    check_view(where, storage.nbytes(), dtype, storage_offset, size, stride)
-    return rebuild.rebuild_tensor(
-        storage, dtype, storage_offset, size, stride, _requires_grad(requires_grad, dtype, where)
-    )
+    check_view(where, storage.nbytes(), dtype, offset, size, stride)
+    fail(where, "invalid tensor view")
 
 
 def _typed(storage: Any, where: str) -> torch.storage.TypedStorage:
@@ -172,9 +229,9 @@ def _dense(
     untyped = storage._untyped_storage
     expect_int(offset, where, "storage_offset")
     size, stride = _shape(size, stride, where)
-    check_view(where, untyped.nbytes(), dtype, offset, size, stride)
-    tensor = torch.empty((0,), dtype=dtype, device=untyped.device)
-    tensor.set_(untyped, offset, size, stride)
+    if len(size) != len(stride):
+        fail(where, f"size has {len(size)} dimensions but stride has {len(stride)}")
+    tensor = _set_view(where, untyped, dtype, offset, size, stride)
     if _requires_grad(requires_grad, dtype, where):
         tensor.requires_grad_(True)
     return tensor
@@ -260,7 +317,8 @@ def safe_rebuild_qtensor(
     _empty_hooks(backward_hooks, where)
     expect_int(storage_offset, where, "storage_offset")
     size, stride = _shape(size, stride, where)
-    check_view(where, typed._untyped_storage.nbytes(), typed.dtype, storage_offset, size, stride)
+    # torch allocates the whole quantized tensor before it swaps in the storage: no broadcast views here.
+    check_view(where, typed._untyped_storage.nbytes(), typed.dtype, storage_offset, size, stride, ratio=1)
     expect_bool(requires_grad, where, "requires_grad")
     if requires_grad:
         fail(where, "quantized tensors cannot require grad")

@@ -70,12 +70,13 @@ _KIND_NAMES = (
 class _Tag:
     """Where a stack value came from. Containers' ``depth`` is their nesting so far."""
 
-    __slots__ = ("depth", "kind", "pair")
+    __slots__ = ("built", "depth", "kind", "pair")
 
     def __init__(self, kind: int, pair: Any = None, depth: int = 0) -> None:
         self.kind = kind
         self.pair = pair  # a global's (module, qualname); a string's text (None if unknown)
         self.depth = depth
+        self.built = False  # BUILD has set state on it (see Note [One BUILD, and nothing appended after it])
 
     def describe(self) -> str:
         if self.kind in (_GLOBAL, _RESULT) and self.pair is not None:
@@ -301,6 +302,9 @@ def analyze(stream: bytes) -> StreamUses:
                         f"BUILD sets state on {inst.describe()}; only objects this load created by calling an "
                         f"allowed class may receive state",
                     )
+                if inst.built:
+                    raise _refuse(start, f"a second BUILD sets state on {inst.describe()}")
+                inst.built = True
                 mutated.setdefault(inst.pair, set()).add(BUILD)
                 _grow(inst, [state], start)
             elif op in (0x81, 0x92):  # NEWOBJ, NEWOBJ_EX
@@ -404,10 +408,23 @@ def analyze(stream: bytes) -> StreamUses:
     raise SnapshotError("the pickle stream ends without STOP")
 
 
+# Note [One BUILD, and nothing appended after it]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# BUILD without a __setstate__ writes the state into the instance's __dict__, and the C unpickler looks up
+# instance attributes afterwards: a second BUILD calls inst.__setstate__, APPEND(S) calls inst.extend or
+# inst.append, ADDITEMS calls inst.add. If the first BUILD had put those names in the instance's __dict__, the
+# stream would call whatever value it stored there (say, a function allow= admits as a value only). Pickle
+# writes list items, dict items and then the state, and BUILD once per object, so a restricted load refuses a
+# second BUILD and APPEND(S)/ADDITEMS after BUILD. SETITEM(S) is safe: __setitem__ is looked up on the type.
+
+
 def _mutate(
     target: _Tag, op: str, own_kind: int, items: list[_Tag], pos: int, mutated: dict[tuple[str, str], set[str]]
 ) -> None:
     if target.kind == _RESULT:
+        if target.built and op != SETITEM:
+            opcode = "APPEND(S)" if op == APPEND else "ADDITEMS"
+            raise _refuse(pos, f"{opcode} follows BUILD on {target.describe()}")
         mutated.setdefault(target.pair, set()).add(op)
     elif target.kind != own_kind:
         opcode = {SETITEM: "SETITEM(S)", APPEND: "APPEND(S)", ADD: "ADDITEMS"}[op]
