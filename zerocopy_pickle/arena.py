@@ -303,7 +303,11 @@ def anonymous(nbytes: int) -> mmap.mmap:
 
 
 def read_exact_into(f: BinaryIO, view: memoryview) -> int:
-    """Fill ``view`` from ``f``; return how many bytes were read (fewer only at end of file)."""
+    """Fill ``view`` from ``f``; return how many bytes were read (fewer only at end of file).
+
+    Raises:
+        BlockingIOError: ``f`` is non-blocking and has nothing to deliver now.
+    """
     got = 0
     readinto = getattr(f, "readinto", None)
     while got < view.nbytes:
@@ -311,8 +315,11 @@ def read_exact_into(f: BinaryIO, view: memoryview) -> int:
             n = readinto(view[got:])
         else:
             chunk = f.read(view.nbytes - got)
-            n = len(chunk)
-            view[got : got + n] = chunk
+            n = None if chunk is None else len(chunk)
+            if n:
+                view[got : got + n] = chunk
+        if n is None:
+            raise BlockingIOError(errno.EAGAIN, "the input stream is non-blocking and has no data now")
         if not n:
             break
         got += n

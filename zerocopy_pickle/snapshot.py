@@ -351,18 +351,46 @@ def _map_fd(fd: int, nbytes: int, offset: int = 0) -> mmap.mmap:
     return arena.map_private(fd, nbytes)
 
 
-def _read_copy(f: BinaryIO) -> mmap.mmap:
-    """Read one snapshot from the current position of ``f`` into private anonymous memory."""
-    fixed = f.read(format.FIXED_NBYTES)
-    if fixed is None:
-        raise SnapshotError("the input stream is non-blocking and has no data")
-    _, total, _ = format.decode_fixed(fixed, None)
-    memory = arena.anonymous(total)
-    view = memoryview(memory)
-    view[: format.FIXED_NBYTES] = fixed
-    got = format.FIXED_NBYTES + arena.read_exact_into(f, view[format.FIXED_NBYTES : total])
-    view.release()
+_FIRST_READ = 1 << 20
+"""How much private memory a copying read reserves before the input has delivered anything beyond the header."""
+
+
+def _read_copy(f: BinaryIO, available: int | None = None) -> mmap.mmap:
+    """Read one snapshot from the current position of ``f`` into private anonymous memory.
+
+    The fixed header's total length is only a claim: memory grows with what the input delivers (doubling from
+    1 MiB, up to the claim), so a header that declares a terabyte and then ends costs what arrived, and is a
+    truncation error. ``available``, when known (a regular file's size past the position), is checked against
+    the claim before anything is reserved.
+    """
+    try:
+        return _read_growing(f, available)
+    except BlockingIOError as e:
+        raise SnapshotError(f"{e.strerror}: pass a blocking file object (or read the snapshot first)") from None
+
+
+def _read_growing(f: BinaryIO, available: int | None) -> mmap.mmap:
+    head = bytearray(format.FIXED_NBYTES)
+    got = arena.read_exact_into(f, memoryview(head))  # a pipe may deliver the 32 bytes in pieces
+    _, total, _ = format.decode_fixed(bytes(head[:got]), None)
+    if available is not None and total > available:
+        raise SnapshotError(f"truncated snapshot: the header says {total} bytes, the file holds {available}")
+    capacity = total if available is not None else min(total, _FIRST_READ)
+    memory = arena.anonymous(capacity)
+    memory[:got] = head
+    while True:
+        view = memoryview(memory)
+        try:
+            n = arena.read_exact_into(f, view[got:capacity])
+        finally:
+            view.release()  # no export may outlive this pass: resize needs none
+        got += n
+        if got < capacity or capacity == total:
+            break
+        capacity = min(total, 2 * capacity)
+        memory.resize(capacity)  # mremap: the pages move, nothing is copied
     if got != total:
+        memory.close()
         raise SnapshotError(f"truncated snapshot: the header says {total} bytes, the input ended after {got}")
     return memory
 
@@ -376,7 +404,7 @@ def _open_path(path: PathLike, copy: bool) -> mmap.mmap:
         size = st.st_size if stat.S_ISREG(st.st_mode) else None
         if size is None or copy:
             with os.fdopen(os.dup(fd), "rb", buffering=0) as raw:
-                memory = _read_copy(raw)
+                memory = _read_copy(raw, size)
                 if raw.read(1):
                     raise SnapshotError(f"trailing bytes after the {len(memory)}-byte snapshot in {path!r}")
                 return memory
@@ -394,7 +422,7 @@ def _open_file(f: BinaryIO, copy: bool) -> mmap.mmap:
     except (AttributeError, OSError, io.UnsupportedOperation):
         size = None
     if copy or size is None or start % mmap.ALLOCATIONGRANULARITY:
-        return _read_copy(f)
+        return _read_copy(f, None if size is None else max(size - start, 0))
     fixed = os.pread(fd, format.FIXED_NBYTES, start)
     _, total, _ = format.decode_fixed(fixed, None)
     if start + total > size:
