@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -18,9 +20,12 @@ import torch
 
 import zerocopy_pickle as zp
 from zerocopy_pickle import format as fmt
+from zerocopy_pickle import integrity
 
-from .conftest import run_python
+from .conftest import region_of, run_python
 from .test_cli import run_cli
+
+KEY = b"the writer's secret"
 
 
 def snapshot_bytes(**kwargs: object) -> bytes:
@@ -211,3 +216,144 @@ def test_a_pipe_declaring_a_terabyte_reserves_only_what_arrives() -> None:
     proc = run_python(BOUNDED_CHILD, timeout=300)
     assert "bounded ok" in proc.stdout, proc.stdout + proc.stderr
     assert proc.stdout.count("refused:") == 2
+
+
+# --- what verify=True and key= checked is what the load returns ----------------------------------------------
+
+
+def big_snapshot(path: Path, **kwargs: object) -> dict[str, torch.Tensor]:
+    """Dump tensors small and large (the large one is copied and hashed in several pieces) to ``path``."""
+    torch.manual_seed(1)
+    obj = {"small": torch.randn(1000), "large": torch.randn((3 << 20) // 4 + 17)}
+    zp.dump({**obj, "s": "text"}, path, **kwargs)  # type: ignore[arg-type]
+    return {k: v.clone() for k, v in obj.items()}
+
+
+def overwrite_data(path: Path) -> None:
+    """Rewrite every data byte of the snapshot file in place, as another writer of the file could."""
+    header = zp.read_header(path)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\xa5" * header.data_nbytes, header.data_offset)
+    finally:
+        os.close(fd)
+
+
+def test_a_file_rewritten_after_a_verified_load_does_not_change_the_tensors(tmp_path: Path) -> None:
+    path = tmp_path / "v.zcp"
+    expected = big_snapshot(path)
+    plain = zp.load(path)  # the fast path stays zero-copy: a view of the file's pages...
+    verified = zp.load(path, verify=True)
+    with zp.Snapshot.open(path) as snap:
+        verified_snap = snap.load(verify=True)
+    with open(path, "rb") as f:
+        verified_file = zp.load(f, verify=True)
+    overwrite_data(path)
+    for loaded in (verified, verified_snap, verified_file):
+        for name, tensor in expected.items():
+            assert torch.equal(loaded[name], tensor), name
+    assert not torch.equal(plain["small"], expected["small"])  # ...which follow the file (the SIGBUS caveat too)
+
+
+class _RewriteAfterEachHash:
+    """Stands in for the xxhash module: after each buffer's digest is computed, the attacker rewrites that
+    buffer in the file, as a writer racing the check would at the worst moment."""
+
+    def __init__(self, real: Any, path: Path) -> None:
+        self._real = real
+        self._path = path
+        self._header = zp.read_header(path)
+        self.hashed = 0
+
+    def _rewrite(self) -> None:
+        start, stop = self._header.buffer_range(self.hashed)
+        fd = os.open(self._path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"\x5a" * (stop - start), start)
+        finally:
+            os.close(fd)
+        self.hashed += 1
+
+    def xxh3_64_hexdigest(self, data: Any) -> str:
+        digest: str = self._real.xxh3_64_hexdigest(data)
+        if memoryview(data).nbytes != self._header.stream_nbytes:  # not the stream's checksum: a buffer's
+            self._rewrite()
+        return digest
+
+    def xxh3_64(self) -> Any:
+        outer = self
+        hasher = self._real.xxh3_64()
+
+        class Hasher:
+            def update(self, data: Any) -> None:
+                hasher.update(data)
+
+            def hexdigest(self) -> str:
+                digest: str = hasher.hexdigest()
+                outer._rewrite()
+                return digest
+
+        return Hasher()
+
+
+def test_a_write_racing_the_check_cannot_reach_the_checked_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import xxhash
+
+    path = tmp_path / "race.zcp"
+    expected = big_snapshot(path)
+    racer = _RewriteAfterEachHash(xxhash, path)
+    monkeypatch.setattr(integrity, "_xxh3", lambda: racer)
+    loaded = zp.load(path, verify=True)
+    assert racer.hashed == 2  # both buffers were rewritten in the file right after their check
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_a_signed_stream_rewritten_after_its_check_is_not_what_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "signed.zcp"
+    big_snapshot(path, key=KEY)
+    header = zp.read_header(path)
+    stream = path.read_bytes()[header.stream_offset : header.stream_offset + header.stream_nbytes]
+    at = header.stream_offset + stream.index(b"text")
+    real = integrity.verify_signature
+
+    def verify_then_rewrite(*args: Any) -> None:
+        real(*args)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"TEXT", at)
+        finally:
+            os.close(fd)
+
+    monkeypatch.setattr(integrity, "verify_signature", verify_then_rewrite)
+    assert zp.load(path, key=KEY)["s"] == "text"
+    with pytest.raises(zp.IntegrityError, match="stream"):
+        zp.load(path)  # the file did change: the signed load had used its own copy
+
+
+def test_verify_stays_zero_copy_where_nothing_can_change(tmp_path: Path) -> None:
+    with zp.freeze({"t": torch.arange(70_000)}) as snap:
+        loaded = snap.load(verify=True)
+        region = region_of(loaded["t"].untyped_storage().data_ptr())
+        assert region is not None and region[2].startswith("/memfd:zerocopy_pickle")
+    path = tmp_path / "c.zcp"
+    big_snapshot(path)
+    copied = zp.load(path, copy=True, verify=True)  # private already: checked in place, not copied twice
+    region = region_of(copied["large"].untyped_storage().data_ptr())
+    assert region is not None and region[2] == ""  # anonymous memory
+
+
+def test_loads_with_verify_copies_a_buffer_the_caller_can_still_change() -> None:
+    data = snapshot_bytes()
+    memory = mmap.mmap(-1, len(data))
+    memory[:] = data
+    start, _ = zp.read_header(data).buffer_range(0)
+    plain, verified = zp.loads(memory), zp.loads(memory, verify=True)
+    original = plain["w"].clone()
+    memory[start : start + 4] = b"\xff\xff\xff\xff"
+    assert not torch.equal(plain["w"], original)  # zero-copy: a view of the caller's memory
+    assert torch.equal(verified["w"], original)  # verified: the checked copy

@@ -29,6 +29,7 @@ __all__ = [
     "atomic_output",
     "buffer_address",
     "create_memfd",
+    "is_immutable",
     "map_private",
     "read_exact_into",
     "seal",
@@ -253,6 +254,24 @@ def is_sealed(fd: int) -> bool:
     except OSError:
         return False
     return seals & SEALS == SEALS
+
+
+IMMUTABLE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+"""The seals that freeze a memfd's size and bytes. Seals can only ever be added, so a memfd that carries these
+stays unchanged for as long as anyone holds it (``F_SEAL_SEAL``, which :func:`seal` adds too, only stops more
+seals from being added)."""
+
+
+def is_immutable(fd: int) -> bool:
+    """Whether nobody can change ``fd``'s size or bytes any more: a memfd carrying :data:`IMMUTABLE_SEALS`.
+
+    A regular file never is: whoever can write to it can rewrite or truncate it under a mapping.
+    """
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False
+    return seals & IMMUTABLE_SEALS == IMMUTABLE_SEALS
 
 
 def buffer_address(view: memoryview) -> int | None:

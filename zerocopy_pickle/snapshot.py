@@ -295,6 +295,7 @@ def _load_view(
     allow: AllowSpec,
     verify: bool = False,
     key: bytes | str | None = None,
+    stable: bool = False,
 ) -> Any:
     """Unpickle the snapshot that fills ``view`` (writable, aligned); storages become views into it.
 
@@ -302,6 +303,11 @@ def _load_view(
     key), the stream's checksum, bounds and buffer count, the buffers' checksums (with ``verify``), that every
     device exists, that every plugin is loaded. ``trusted=None`` means trusted only if a key verified the
     signature.
+
+    What is checked is what is used: the header and the stream are parsed, checked and unpickled from private
+    copies (``bytes``). ``stable`` says that nobody can change the bytes behind ``view`` (private memory, a
+    sealed memfd); otherwise ``verify`` copies every buffer into private memory as it checks it, and the
+    storages are views into that copy.
     """
     header = _header_of(view)
     stream = bytes(view[header.stream_offset : header.stream_offset + header.stream_nbytes])
@@ -317,9 +323,12 @@ def _load_view(
         )
     check_targets(map_location, (entry.location for entry in header.buffers))
     default_registry().prepare_load(header.plugins)
-    buffers = [view[start:stop] for start, stop in map(header.buffer_range, range(len(header.buffers)))]
-    if verify:
-        integrity.verify_buffers(header, buffers)
+    if verify and not stable:
+        buffers = integrity.copy_verified(header, view)  # later writes to the file cannot reach these
+    else:
+        buffers = [view[start:stop] for start, stop in map(header.buffer_range, range(len(header.buffers)))]
+        if verify:
+            integrity.verify_buffers(header, buffers)
     unpickler = ZeroCopyUnpickler(
         io.BytesIO(stream), buffers=buffers, map_location=map_location, trusted=trusted, allow=allow
     )
@@ -395,7 +404,9 @@ def _read_growing(f: BinaryIO, available: int | None) -> mmap.mmap:
     return memory
 
 
-def _open_path(path: PathLike, copy: bool) -> mmap.mmap:
+def _open_path(path: PathLike, copy: bool) -> tuple[mmap.mmap, bool]:
+    """The snapshot at ``path``, mapped or read, and whether its bytes can no longer change (read into private
+    memory, or a sealed memfd) rather than a mapping of a file someone could rewrite."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
@@ -407,14 +418,15 @@ def _open_path(path: PathLike, copy: bool) -> mmap.mmap:
                 memory = _read_copy(raw, size)
                 if raw.read(1):
                     raise SnapshotError(f"trailing bytes after the {len(memory)}-byte snapshot in {path!r}")
-                return memory
-        return _map_fd(fd, size)
+                return memory, True
+        return _map_fd(fd, size), arena.is_immutable(fd)
     finally:
         os.close(fd)
 
 
-def _open_file(f: BinaryIO, copy: bool) -> mmap.mmap:
-    """Map a snapshot at the current position of an open file, or read it when that is not possible."""
+def _open_file(f: BinaryIO, copy: bool) -> tuple[mmap.mmap, bool]:
+    """Map a snapshot at the current position of an open file, or read it when that is not possible; and
+    whether its bytes can no longer change (as for :func:`_open_path`)."""
     try:
         fd = f.fileno()
         start = f.tell()
@@ -422,7 +434,7 @@ def _open_file(f: BinaryIO, copy: bool) -> mmap.mmap:
     except (AttributeError, OSError, io.UnsupportedOperation):
         size = None
     if copy or size is None or start % mmap.ALLOCATIONGRANULARITY:
-        return _read_copy(f, None if size is None else max(size - start, 0))
+        return _read_copy(f, None if size is None else max(size - start, 0)), True
     fixed = os.pread(fd, format.FIXED_NBYTES, start)
     _, total, _ = format.decode_fixed(fixed, None)
     if start + total > size:
@@ -431,7 +443,7 @@ def _open_file(f: BinaryIO, copy: bool) -> mmap.mmap:
         )
     memory = _map_fd(fd, total, start)
     f.seek(start + total)
-    return memory
+    return memory, arena.is_immutable(fd)
 
 
 def load(
@@ -478,13 +490,19 @@ def load(
         DeviceError: a storage's target device does not exist here (nothing was built).
     """
     if isinstance(f, (str, os.PathLike)):
-        memory = _open_path(f, copy)
+        memory, stable = _open_path(f, copy)
     elif hasattr(f, "read"):
-        memory = _open_file(f, copy)  # type: ignore[arg-type]
+        memory, stable = _open_file(f, copy)  # type: ignore[arg-type]
     else:
         raise ArgumentError(f"load() needs a path or a binary file object, not {type(f).__name__}")
     return _load_view(
-        memoryview(memory), map_location=map_location, trusted=trusted, allow=allow, verify=verify, key=key
+        memoryview(memory),
+        map_location=map_location,
+        trusted=trusted,
+        allow=allow,
+        verify=verify,
+        key=key,
+        stable=stable,
     )
 
 
@@ -537,22 +555,25 @@ def loads(
             + ("data is read-only" if view.readonly else "data is not aligned")
             + " (pass copy=None to copy it)"
         )
-    if copy or not zero_copy_possible:
+    copied = bool(copy or not zero_copy_possible)
+    if copied:
         if view.nbytes < format.FIXED_NBYTES:
             format.decode_fixed(view, view.nbytes)  # raises the truncation error
         memory = arena.anonymous(view.nbytes)
         memory[:] = view
         view = memoryview(memory)
-    return _load_view(view, map_location=map_location, trusted=trusted, allow=allow, verify=verify, key=key)
+    return _load_view(
+        view, map_location=map_location, trusted=trusted, allow=allow, verify=verify, key=key, stable=copied
+    )
 
 
 def _view_of(f: PathLike | IO[bytes] | bytes | bytearray | memoryview, what: str) -> memoryview:
     if isinstance(f, (str, os.PathLike)):
-        return memoryview(_open_path(f, copy=False))
+        return memoryview(_open_path(f, copy=False)[0])
     if isinstance(f, (bytes, bytearray, memoryview, mmap.mmap)):
         return memoryview(f).cast("B")
     if hasattr(f, "read"):
-        return memoryview(_open_file(f, copy=False))  # type: ignore[arg-type]
+        return memoryview(_open_file(f, copy=False)[0])  # type: ignore[arg-type]
     raise ArgumentError(f"{what}() needs a path, a file object or bytes, not {type(f).__name__}")
 
 
@@ -715,7 +736,13 @@ class Snapshot:
         if trusted is None and self._trusted:
             trusted = True
         return _load_view(
-            memoryview(memory), map_location=map_location, trusted=trusted, allow=allow, verify=verify, key=key
+            memoryview(memory),
+            map_location=map_location,
+            trusted=trusted,
+            allow=allow,
+            verify=verify,
+            key=key,
+            stable=arena.is_immutable(fd),
         )
 
     def close(self) -> None:
