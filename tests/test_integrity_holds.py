@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import mmap
@@ -19,8 +20,8 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
+from zerocopy_pickle import arena, integrity
 from zerocopy_pickle import format as fmt
-from zerocopy_pickle import integrity
 
 from .conftest import region_of, run_python
 from .test_cli import run_cli
@@ -357,3 +358,96 @@ def test_loads_with_verify_copies_a_buffer_the_caller_can_still_change() -> None
     memory[start : start + 4] = b"\xff\xff\xff\xff"
     assert not torch.equal(plain["w"], original)  # zero-copy: a view of the caller's memory
     assert torch.equal(verified["w"], original)  # verified: the checked copy
+
+
+# --- Snapshot.from_fd: an untrusted sender's fd must be sealed, or be copied ---------------------------------
+
+
+class Point:
+    """A class a restricted load refuses unless allowed."""
+
+
+def memfd_with(data: bytes, seals: int = 0) -> int:
+    fd = os.memfd_create("sender", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, data)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_from_fd_refuses_an_unsealed_memfd_or_a_file(tmp_path: Path) -> None:
+    data = snapshot_bytes()
+    path = tmp_path / "f.zcp"
+    path.write_bytes(data)
+    cases = [
+        (memfd_with(data), "a memfd without the seal.s. F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE"),
+        (memfd_with(data, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL), "without the seal.s. F_SEAL_GROW, F_SEAL_WRITE:"),
+        (os.open(path, os.O_RDONLY), "a regular file, which cannot be sealed"),
+    ]
+    for fd, what in cases:
+        try:
+            with pytest.raises(zp.SnapshotError, match=what) as refused:
+                zp.Snapshot.from_fd(fd)
+            message = str(refused.value)
+            assert "SIGBUS" in message and "copy=True" in message and "trusted=True" in message
+            with zp.Snapshot.from_fd(fd, trusted=True) as snap:  # the cache's own fds: used as they are
+                assert not snap.sealed
+                assert snap.load()["s"] == "text"
+        finally:
+            os.close(fd)
+
+
+def test_from_fd_accepts_a_sealed_memfd_without_copying() -> None:
+    seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE  # F_SEAL_SEAL is not needed
+    fd = memfd_with(zp.dumps({"t": torch.arange(70_000), "p": Point()}), seals)
+    try:
+        for copy in (False, True):
+            with zp.Snapshot.from_fd(fd, copy=copy) as snap:
+                assert os.fstat(snap.fd).st_ino == os.fstat(fd).st_ino  # the sender's memfd itself
+                with pytest.raises(zp.RestrictedLoadError):
+                    snap.load()  # untrusted: restricted loads...
+                loaded = snap.load(verify=True, allow=[Point])
+                region = region_of(loaded["t"].untyped_storage().data_ptr())
+                assert region is not None and region[2].startswith("/memfd:sender")  # ...zero-copy, verified
+    finally:
+        os.close(fd)
+    with zp.freeze({"t": torch.arange(3)}) as frozen, zp.Snapshot.from_fd(frozen.fd) as snap:
+        assert snap.sealed and snap.load()["t"].tolist() == [0, 1, 2]
+
+
+def test_from_fd_copy_loads_a_private_sealed_copy_the_sender_cannot_touch() -> None:
+    data = snapshot_bytes()
+    expected = zp.loads(data)
+    fd = memfd_with(data)
+    try:
+        with zp.Snapshot.from_fd(fd, copy=True) as snap:
+            assert snap.sealed
+            assert os.fstat(snap.fd).st_ino != os.fstat(fd).st_ino
+            os.pwrite(fd, b"\xff" * (len(data) - 4096), 4096)  # the sender rewrites its memfd...
+            os.ftruncate(fd, 0)  # ...and shrinks it: mapped, this would be SIGBUS
+            loaded = snap.load(verify=True)
+            assert torch.equal(loaded["w"], expected["w"]) and loaded["s"] == "text"
+    finally:
+        os.close(fd)
+
+
+def test_from_fd_copy_refuses_a_malformed_or_shrinking_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    fd = memfd_with(b"\x89ZCP\r\n\x1a\x02" + bytes(100))
+    try:
+        with pytest.raises(zp.SnapshotError, match="header length 0"):
+            zp.Snapshot.from_fd(fd, copy=True)
+    finally:
+        os.close(fd)
+    real = arena.copy_to_sealed_memfd
+
+    def shrink_then_copy(source: int, nbytes: int, name: str) -> int:
+        os.ftruncate(source, nbytes // 2)  # the sender, between the header check and the copy
+        return real(source, nbytes, name)
+
+    monkeypatch.setattr(arena, "copy_to_sealed_memfd", shrink_then_copy)
+    fd = memfd_with(snapshot_bytes())
+    try:
+        with pytest.raises(zp.SnapshotError, match=f"fd {fd} shrank while it was copied: the source ended after"):
+            zp.Snapshot.from_fd(fd, copy=True)
+    finally:
+        os.close(fd)

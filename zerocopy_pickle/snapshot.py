@@ -607,6 +607,21 @@ def scan(f: PathLike | IO[bytes] | bytes | bytearray | memoryview) -> tuple[tupl
     return scan_stream(view[header.stream_offset : header.stream_offset + header.stream_nbytes])
 
 
+def _unsealed_message(fd: int, own: int) -> str:
+    seals = arena.seals_of(own)
+    if seals is None:
+        what = "a regular file, which cannot be sealed"
+    else:
+        missing = [name for bit, name in arena.SEAL_NAMES.items() if bit & arena.IMMUTABLE_SEALS & ~seals]
+        what = f"a memfd without the seal(s) {', '.join(missing)}"
+    return (
+        f"fd {fd} is {what}: its sender can still shrink it under this process's mappings (SIGBUS) or change "
+        f"its bytes after they were checked. Have the sender seal it (F_SEAL_SHRINK, F_SEAL_GROW and "
+        f"F_SEAL_WRITE, as zerocopy_pickle.freeze does), pass copy=True to load a private sealed copy of it, "
+        f"or trusted=True if you trust the sender"
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Snapshot: a snapshot behind a file descriptor
 # ---------------------------------------------------------------------------------------------------------
@@ -668,21 +683,53 @@ class Snapshot:
             raise
 
     @classmethod
-    def from_fd(cls, fd: int, *, trusted: bool = False) -> Snapshot:
+    def from_fd(cls, fd: int, *, trusted: bool = False, copy: bool = False) -> Snapshot:
         """Wrap a snapshot behind ``fd`` (a memfd or file received from elsewhere).
 
         The fd is duplicated: the caller keeps, and must close, its own.
 
+        An fd from a sender you do not trust must be a memfd sealed against any change of size or contents
+        (``F_SEAL_SHRINK``, ``F_SEAL_GROW`` and ``F_SEAL_WRITE``; :func:`freeze` adds them). Otherwise the sender
+        could shrink it under this process's mappings, and the next access to a lost page would kill the
+        process with SIGBUS, or rewrite bytes after a load checked them. An unsealed memfd or a regular file is
+        refused, unless ``copy=True`` or ``trusted=True``.
+
         Args:
             fd: an open file descriptor of a snapshot.
             trusted: the default ``trusted`` of this snapshot's loads (say True only when you know who wrote
-                it, for example an fd from your own model cache).
+                it, for example an fd from your own model cache). It also trusts the sender not to shrink or
+                rewrite the fd: it is then used as it is, sealed or not.
+            copy: when the fd is not sealed, copy the snapshot into a new memfd of this process's own and seal
+                that (one copy of the snapshot, in memory; a sealed fd is never copied). Later changes by the
+                sender cannot reach the copy, and the snapshot's loads are zero-copy views of it.
+
+        Raises:
+            SnapshotError: the fd is not a regular file or memfd; it is not sealed, and neither ``copy`` nor
+                ``trusted`` was given (the message says what is missing); the snapshot is malformed; or it
+                shrank while it was copied.
         """
         own = os.dup(fd)
         try:
-            return cls._adopt(own, trusted=trusted)
+            if (trusted and not copy) or arena.is_immutable(own):
+                return cls._adopt(own, trusted=trusted)
+            if arena.regular_file_size(own) is None:
+                raise SnapshotError("the fd is not a regular file or memfd: a snapshot must be mappable")
+            if not copy:
+                raise SnapshotError(_unsealed_message(fd, own))
+            checked = cls._adopt(own, trusted=trusted)  # validates the header before anything is copied
         except BaseException:
             os.close(own)
+            raise
+        try:
+            private = arena.copy_to_sealed_memfd(own, checked.nbytes, "zerocopy_pickle")
+        except EOFError as e:
+            raise SnapshotError(f"the snapshot behind fd {fd} shrank while it was copied: {e}") from None
+        finally:
+            checked.close()
+        try:
+            return cls._adopt(private, trusted=trusted)  # the copy's header is the one that counts
+        except BaseException:
+            os.close(private)
             raise
 
     @property
