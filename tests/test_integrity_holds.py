@@ -451,3 +451,27 @@ def test_from_fd_copy_refuses_a_malformed_or_shrinking_source(monkeypatch: pytes
             zp.Snapshot.from_fd(fd, copy=True)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"\x89ZCP\r\n\x1a\x02", fixed_claiming(1 << 40) + bytes(100), b"not a snapshot at all" * 10, "fifo"],
+    ids=["empty", "magic-only", "claims-a-terabyte", "garbage", "fifo"],
+)
+def test_inspect_reports_malformed_input_in_one_line(tmp_path: Path, content: bytes | str) -> None:
+    path = tmp_path / "bad.zcp"
+    if content == "fifo":
+        os.mkfifo(path)  # no writer will ever come: refused at once, not waited for
+    else:
+        assert isinstance(content, bytes)
+        path.write_bytes(content)
+    proc = run_python(
+        "import sys; from zerocopy_pickle.cli import main; sys.exit(main(sys.argv[1:]))",
+        "inspect",
+        str(path),
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("zerocopy-pickle inspect: error: "), proc.stderr

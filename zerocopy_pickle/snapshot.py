@@ -675,7 +675,9 @@ class Snapshot:
             SnapshotError: the file is not a valid snapshot.
             OSError: the file cannot be opened.
         """
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO is refused as unmappable at once instead of blocking until a writer appears (it
+        # changes nothing for regular files).
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             return cls._adopt(fd, trusted=False)
         except BaseException:
