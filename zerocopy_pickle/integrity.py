@@ -9,6 +9,11 @@ the header (in its canonical JSON form, without the signature) includes every bu
 signature proves the stream (the code a load runs) and the checksums came from a holder of ``K``; together with
 ``verify=True`` it proves every byte did. Only a snapshot whose signature verifies may load trusted without the
 caller saying ``trusted=True``.
+
+A check proves something only about bytes that cannot change afterwards. The loader checks the header and the
+stream on private copies; buffers that could still change (a mapped file) are checked by
+:func:`copy_verified`, which hashes a private copy as it makes it; :func:`verify_buffers` hashes in place, for
+memory nobody else can change (a sealed memfd, a private copy).
 """
 
 from __future__ import annotations

@@ -474,10 +474,17 @@ def load(
         allow: globals this call may resolve beyond the built-in safe set: classes or functions, or
             ``"module:qualname"`` strings (for example ``allow=[MyModel, "collections:Counter"]``).
         copy: read the snapshot into private memory instead of mapping it (for file systems where mapping
-            is unsafe or slow).
-        verify: check every buffer against its recorded checksum before unpickling (reads every byte).
+            is unsafe or slow, or files another program may truncate in place). Memory grows with what the
+            input delivers, never beyond it.
+        verify: check every buffer against its recorded checksum before unpickling (reads every byte). The
+            tensors then hold exactly the bytes that matched: a mapped file's buffers are copied into private
+            memory and hashed from the copy, in one pass (the cost of a memory copy, and the data is no longer
+            shared with the page cache), so rewriting the file afterwards changes nothing. With ``copy=True``
+            or a sealed memfd there is nothing to protect against, and the check hashes in place.
         key: the secret the snapshot was signed with; its signature must verify, and then the load is
-            trusted unless ``trusted=False``.
+            trusted unless ``trusted=False``. The signature covers the header and the stream (checked and
+            unpickled from private copies) and, through the checksums it signs, the buffers: add
+            ``verify=True`` to check those too.
 
     Returns:
         The object graph.
@@ -529,7 +536,9 @@ def loads(
       into private memory and the tensors are views into that copy. No tensor ever aliases immutable memory.
     * ``data`` writable and 16-byte aligned (``bytearray``, a writable ``mmap``): zero-copy. The tensors are
       views into ``data`` and keep it alive; writing to a tensor writes into ``data``, and every load of the
-      same buffer sees it. Pass ``copy=True`` for private tensors.
+      same buffer sees it. Pass ``copy=True`` for private tensors. With ``verify=True`` and without
+      ``copy=True``, each buffer is copied into private memory as it is checked (``data`` could change after
+      the check), so those tensors are not views into ``data``.
 
     Args:
         data: one complete snapshot, as :func:`dumps` returns it.
@@ -766,7 +775,9 @@ class Snapshot:
         """Load a new, independent copy-on-write object graph from this snapshot.
 
         Args:
-            map_location, allow, verify, key: as for :func:`load`.
+            map_location, allow, key: as for :func:`load`.
+            verify: as for :func:`load`: a sealed memfd is checked in place (zero-copy); a file's buffers
+                are copied into private memory as they are checked.
             trusted: None uses this snapshot's default (True for :func:`freeze`; else False unless ``key``
                 verified the signature).
 
