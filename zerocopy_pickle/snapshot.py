@@ -384,7 +384,7 @@ def _read_growing(f: BinaryIO, available: int | None) -> mmap.mmap:
     _, total, _ = format.decode_fixed(bytes(head[:got]), None)
     if available is not None and total > available:
         raise SnapshotError(f"truncated snapshot: the header says {total} bytes, the file holds {available}")
-    capacity = total if available is not None else min(total, _FIRST_READ)
+    capacity = min(total, _FIRST_READ)  # even a file's size is only what it claims to hold (it may be sparse)
     memory = arena.anonymous(capacity)
     memory[:got] = head
     while True:
