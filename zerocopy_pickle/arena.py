@@ -28,10 +28,13 @@ __all__ = [
     "anonymous",
     "atomic_output",
     "buffer_address",
+    "copy_to_sealed_memfd",
     "create_memfd",
+    "is_immutable",
     "map_private",
     "read_exact_into",
     "seal",
+    "seals_of",
     "write_pieces",
 ]
 
@@ -255,6 +258,77 @@ def is_sealed(fd: int) -> bool:
     return seals & SEALS == SEALS
 
 
+IMMUTABLE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+"""The seals that freeze a memfd's size and bytes. Seals can only ever be added, so a memfd that carries these
+stays unchanged for as long as anyone holds it (``F_SEAL_SEAL``, which :func:`seal` adds too, only stops more
+seals from being added)."""
+
+
+def is_immutable(fd: int) -> bool:
+    """Whether nobody can change ``fd``'s size or bytes any more: a memfd carrying :data:`IMMUTABLE_SEALS`.
+
+    A regular file never is: whoever can write to it can rewrite or truncate it under a mapping.
+    """
+    seals = seals_of(fd)
+    return seals is not None and seals & IMMUTABLE_SEALS == IMMUTABLE_SEALS
+
+
+def seals_of(fd: int) -> int | None:
+    """The seals ``fd`` carries (``F_GET_SEALS``); None where it cannot carry any (a regular file, a pipe)."""
+    try:
+        return int(fcntl.fcntl(fd, fcntl.F_GET_SEALS))
+    except OSError:
+        return None
+
+
+SEAL_NAMES = {
+    fcntl.F_SEAL_SHRINK: "F_SEAL_SHRINK",
+    fcntl.F_SEAL_GROW: "F_SEAL_GROW",
+    fcntl.F_SEAL_WRITE: "F_SEAL_WRITE",
+    fcntl.F_SEAL_SEAL: "F_SEAL_SEAL",
+}
+
+
+def copy_to_sealed_memfd(source: int, nbytes: int, name: str) -> int:
+    """Copy the first ``nbytes`` of ``source`` into a new memfd, seal it (:func:`seal`) and return its fd.
+
+    The copy is made with ``sendfile`` (in the kernel, no user-space buffer) where the kernel allows it, else
+    with ``pread``/``write``. Reading never faults on pages the source has lost: a source that shrinks meanwhile
+    just ends early.
+
+    Raises:
+        EOFError: ``source`` held fewer than ``nbytes`` bytes (the new memfd is closed).
+        OSError: from the kernel (out of memory for the memfd, say).
+    """
+    fd = create_memfd(name)
+    try:
+        copied = 0
+        use_sendfile = True
+        while copied < nbytes:
+            count = min(nbytes - copied, _MAX_WRITE)
+            if use_sendfile:
+                try:
+                    n = os.sendfile(fd, source, copied, count)
+                except OSError as e:
+                    if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                        raise
+                    use_sendfile = False
+                    continue
+            else:
+                chunk = os.pread(source, min(count, 4 << 20), copied)
+                n = len(chunk)
+                if n:
+                    write_pieces(fd, [chunk])
+            if not n:
+                raise EOFError(f"the source ended after {copied} of {nbytes} bytes")
+            copied += n
+        seal(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def buffer_address(view: memoryview) -> int | None:
     """The address of a writable buffer's first byte; None for a read-only one (ctypes cannot point into it)."""
     try:
@@ -303,7 +377,11 @@ def anonymous(nbytes: int) -> mmap.mmap:
 
 
 def read_exact_into(f: BinaryIO, view: memoryview) -> int:
-    """Fill ``view`` from ``f``; return how many bytes were read (fewer only at end of file)."""
+    """Fill ``view`` from ``f``; return how many bytes were read (fewer only at end of file).
+
+    Raises:
+        BlockingIOError: ``f`` is non-blocking and has nothing to deliver now.
+    """
     got = 0
     readinto = getattr(f, "readinto", None)
     while got < view.nbytes:
@@ -311,8 +389,11 @@ def read_exact_into(f: BinaryIO, view: memoryview) -> int:
             n = readinto(view[got:])
         else:
             chunk = f.read(view.nbytes - got)
-            n = len(chunk)
-            view[got : got + n] = chunk
+            n = None if chunk is None else len(chunk)
+            if n:
+                view[got : got + n] = chunk
+        if n is None:
+            raise BlockingIOError(errno.EAGAIN, "the input stream is non-blocking and has no data now")
         if not n:
             break
         got += n

@@ -63,6 +63,9 @@ LARGE_ALIGN = 4096
 LARGE_BUFFER_NBYTES = 64 * 1024
 MAX_HEADER_NBYTES = 64 * 1024 * 1024
 """A reader refuses headers larger than this before reading them (about 400k buffers)."""
+MAX_HEADER_DEPTH = 16
+"""A reader refuses a JSON header whose arrays and objects nest deeper than this before parsing it (a valid
+header nests 3 deep), so that parsing never recurses deeply."""
 _MAX_INT = (1 << 63) - 1
 _MAX_NAME = 64
 _LOCATION_RE = re.compile(r"[a-z][a-z0-9_]*(:[0-9]{1,4})?")
@@ -284,25 +287,30 @@ def decode_header(fixed: bytes | memoryview, blob: bytes | memoryview, actual_nb
     Raises:
         SnapshotError: naming the first field that does not hold.
     """
+    fixed = bytes(fixed[:FIXED_NBYTES])  # one copy: the bytes checked are the bytes used
     header_nbytes, total, crc = decode_fixed(fixed, actual_nbytes)
     if len(blob) != header_nbytes:
         raise SnapshotError(
             f"truncated snapshot: the header is {header_nbytes} bytes at offset {FIXED_NBYTES}, "
             f"only {len(blob)} are present"
         )
+    blob = bytes(blob)  # likewise: CRC, nesting and parsing see one private copy, whatever backs the input
     if zlib.crc32(blob) != crc:
         raise SnapshotError(
             f"header checksum mismatch: CRC-32 of bytes {FIXED_NBYTES}-{FIXED_NBYTES + header_nbytes} is "
             f"{zlib.crc32(blob):#010x}, the fixed header (offset 24) says {crc:#010x}; the header is corrupt"
         )
     try:
-        text = bytes(blob).decode("utf-8")
+        text = blob.decode("utf-8")
     except UnicodeDecodeError as e:
         raise SnapshotError(f"header at offset {FIXED_NBYTES} is not UTF-8: {e}") from e
+    _check_nesting(blob)
     try:
         obj = _DECODER.decode(text)
     except ValueError as e:  # json.JSONDecodeError, or a duplicate key from the hook
         raise SnapshotError(f"header at offset {FIXED_NBYTES} is not valid JSON: {e}") from e
+    except RecursionError as e:  # unreachable after _check_nesting; kept so no input can escape as one
+        raise SnapshotError(f"header at offset {FIXED_NBYTES} nests too deeply to parse") from e
     if not isinstance(obj, dict):
         raise SnapshotError(f"header must be a JSON object, found {type(obj).__name__}")
     missing = _REQUIRED_KEYS - obj.keys()
@@ -365,6 +373,43 @@ def decode_header(fixed: bytes | memoryview, blob: bytes | memoryview, actual_nb
         signature=signature,
         signed_header=signed_header,
     )
+
+
+# Nesting check. Strings are blanked first (a bracket inside a string is not structure); what remains of the
+# blob is its brackets, and one round of deleting every adjacent "[]" and "{}" pair peels one level off a
+# balanced sequence. Everything runs in C (translate, replace, one regex), with no recursion.
+_STRUCTURE = b'[]{}"\\'
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in _STRUCTURE)
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def _check_nesting(blob: bytes) -> None:
+    """Raise unless the JSON text ``blob`` nests arrays and objects at most :data:`MAX_HEADER_DEPTH` deep.
+
+    Conservative: brackets that do not balance are refused too (the text is then not valid JSON anyway). Costs
+    a few milliseconds for a 4 MB header, a few percent of parsing it.
+    """
+    brackets = blob.translate(None, _NOT_STRUCTURE)
+    if b"\\" not in brackets:
+        # Without escapes each string is a pair of quotes, adjacent once its other bytes are gone unless it
+        # holds a bracket. If every quote pairs off this way, the strings held no brackets.
+        brackets = brackets.replace(b'""', b"")
+    if b'"' in brackets or b"\\" in brackets:
+        brackets = _JSON_STRING.sub(b"", blob).translate(None, _NOT_BRACKET)
+    for _ in range(MAX_HEADER_DEPTH):
+        if not brackets:
+            return
+        peeled = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        if len(peeled) == len(brackets):
+            break
+        brackets = peeled
+    if brackets:
+        raise SnapshotError(
+            f"header at offset {FIXED_NBYTES} is not valid JSON for a snapshot header: its arrays and objects "
+            f"nest deeper than {MAX_HEADER_DEPTH} levels or do not balance (a valid header nests 3 deep); the "
+            f"snapshot is damaged or hostile"
+        )
 
 
 def _checksums(value: object, n_buffers: int) -> Checksums | None:

@@ -9,6 +9,11 @@ the header (in its canonical JSON form, without the signature) includes every bu
 signature proves the stream (the code a load runs) and the checksums came from a holder of ``K``; together with
 ``verify=True`` it proves every byte did. Only a snapshot whose signature verifies may load trusted without the
 caller saying ``trusted=True``.
+
+A check proves something only about bytes that cannot change afterwards. The loader checks the header and the
+stream on private copies; buffers that could still change (a mapped file) are checked by
+:func:`copy_verified`, which hashes a private copy as it makes it; :func:`verify_buffers` hashes in place, for
+memory nobody else can change (a sealed memfd, a private copy).
 """
 
 from __future__ import annotations
@@ -18,10 +23,19 @@ import hmac
 from collections.abc import Iterable
 from typing import Any
 
+from . import arena
 from .errors import ArgumentError, IntegrityError
 from .format import CHECKSUM_ALGORITHM, Checksums, Header
 
-__all__ = ["checksum", "checksums", "sign", "verify_buffers", "verify_signature", "verify_stream"]
+__all__ = [
+    "checksum",
+    "checksums",
+    "copy_verified",
+    "sign",
+    "verify_buffers",
+    "verify_signature",
+    "verify_stream",
+]
 
 _DOMAIN = b"zerocopy_pickle snapshot signature v2\0"
 
@@ -89,17 +103,63 @@ def verify_stream(header: Header, stream: Any) -> None:
         )
 
 
+COPY_CHUNK = 1 << 20
+"""Buffers are copied and hashed in pieces of this size, each hashed while it is still in the CPU cache."""
+
+
+def copy_verified(header: Header, snapshot: memoryview) -> list[memoryview]:
+    """Copy every buffer of ``snapshot`` into new private memory, checking it against its recorded checksum
+    as it is copied, and return the copies (slices of one anonymous mapping of the data region's size).
+
+    For a snapshot whose bytes may change after they are checked (a mapping of a file that somebody else can
+    write): what is hashed is the private copy, piece by piece right after each piece is copied, so the
+    buffers returned are exactly the bytes that matched, and no later write to the file can reach them. One
+    pass: the cost of a memory copy (the hash runs on data already in cache), and the loaded tensors then
+    live in this process's own memory instead of sharing the file's page cache.
+
+    Raises:
+        IntegrityError: the snapshot records no checksums, or a buffer does not match (named with its offset);
+            nothing is returned.
+    """
+    expected = _recorded(header)
+    xxhash = _xxh3()
+    private = memoryview(arena.anonymous(header.data_nbytes))
+    copies = []
+    for i, entry in enumerate(header.buffers):
+        start, stop = header.buffer_range(i)
+        source = snapshot[start:stop]
+        copy = private[entry.offset : entry.offset + entry.nbytes]
+        if entry.nbytes <= COPY_CHUNK:
+            copy[:] = source
+            digest = xxhash.xxh3_64_hexdigest(copy)
+        else:
+            hasher = xxhash.xxh3_64()
+            for at in range(0, entry.nbytes, COPY_CHUNK):
+                piece = copy[at : at + COPY_CHUNK]
+                piece[:] = source[at : at + COPY_CHUNK]
+                hasher.update(piece)
+            digest = hasher.hexdigest()
+        if digest != expected[i]:
+            raise IntegrityError(f"buffer {i} at [{start}, {stop}) does not match its checksum: the data is damaged")
+        copies.append(copy)
+    return copies
+
+
+def _recorded(header: Header) -> tuple[str, ...]:
+    if header.checksums is None:
+        raise IntegrityError(
+            "verify=True, but the snapshot records no checksums (written with checksums=False, or in format 1)"
+        )
+    return header.checksums.buffers
+
+
 def verify_buffers(header: Header, buffers: Iterable[Any]) -> None:
     """Check every buffer against its recorded checksum (reads every byte).
 
     Raises:
         IntegrityError: the snapshot records no checksums, or a buffer does not match (named with its offset).
     """
-    if header.checksums is None:
-        raise IntegrityError(
-            "verify=True, but the snapshot records no checksums (written with checksums=False, or in format 1)"
-        )
-    for i, (buffer, expected) in enumerate(zip(buffers, header.checksums.buffers, strict=True)):
+    for i, (buffer, expected) in enumerate(zip(buffers, _recorded(header), strict=True)):
         if checksum(buffer) != expected:
             start, stop = header.buffer_range(i)
             raise IntegrityError(f"buffer {i} at [{start}, {stop}) does not match its checksum: the data is damaged")

@@ -295,6 +295,7 @@ def _load_view(
     allow: AllowSpec,
     verify: bool = False,
     key: bytes | str | None = None,
+    stable: bool = False,
 ) -> Any:
     """Unpickle the snapshot that fills ``view`` (writable, aligned); storages become views into it.
 
@@ -302,6 +303,11 @@ def _load_view(
     key), the stream's checksum, bounds and buffer count, the buffers' checksums (with ``verify``), that every
     device exists, that every plugin is loaded. ``trusted=None`` means trusted only if a key verified the
     signature.
+
+    What is checked is what is used: the header and the stream are parsed, checked and unpickled from private
+    copies (``bytes``). ``stable`` says that nobody can change the bytes behind ``view`` (private memory, a
+    sealed memfd); otherwise ``verify`` copies every buffer into private memory as it checks it, and the
+    storages are views into that copy.
     """
     header = _header_of(view)
     stream = bytes(view[header.stream_offset : header.stream_offset + header.stream_nbytes])
@@ -320,9 +326,12 @@ def _load_view(
         )
     check_targets(map_location, (entry.location for entry in header.buffers))
     default_registry().prepare_load(header.plugins)
-    buffers = [view[start:stop] for start, stop in map(header.buffer_range, range(len(header.buffers)))]
-    if verify:
-        integrity.verify_buffers(header, buffers)
+    if verify and not stable:
+        buffers = integrity.copy_verified(header, view)  # later writes to the file cannot reach these
+    else:
+        buffers = [view[start:stop] for start, stop in map(header.buffer_range, range(len(header.buffers)))]
+        if verify:
+            integrity.verify_buffers(header, buffers)
     unpickler = ZeroCopyUnpickler(
         io.BytesIO(stream),
         buffers=buffers,
@@ -356,23 +365,53 @@ def _map_fd(fd: int, nbytes: int, offset: int = 0) -> mmap.mmap:
     return arena.map_private(fd, nbytes)
 
 
-def _read_copy(f: BinaryIO) -> mmap.mmap:
-    """Read one snapshot from the current position of ``f`` into private anonymous memory."""
-    fixed = f.read(format.FIXED_NBYTES)
-    if fixed is None:
-        raise SnapshotError("the input stream is non-blocking and has no data")
-    _, total, _ = format.decode_fixed(fixed, None)
-    memory = arena.anonymous(total)
-    view = memoryview(memory)
-    view[: format.FIXED_NBYTES] = fixed
-    got = format.FIXED_NBYTES + arena.read_exact_into(f, view[format.FIXED_NBYTES : total])
-    view.release()
+_FIRST_READ = 1 << 20
+"""How much private memory a copying read reserves before the input has delivered anything beyond the header."""
+
+
+def _read_copy(f: BinaryIO, available: int | None = None) -> mmap.mmap:
+    """Read one snapshot from the current position of ``f`` into private anonymous memory.
+
+    The fixed header's total length is only a claim: memory grows with what the input delivers (doubling from
+    1 MiB, up to the claim), so a header that declares a terabyte and then ends costs what arrived, and is a
+    truncation error. ``available``, when known (a regular file's size past the position), is checked against
+    the claim before anything is reserved.
+    """
+    try:
+        return _read_growing(f, available)
+    except BlockingIOError as e:
+        raise SnapshotError(f"{e.strerror}: pass a blocking file object (or read the snapshot first)") from None
+
+
+def _read_growing(f: BinaryIO, available: int | None) -> mmap.mmap:
+    head = bytearray(format.FIXED_NBYTES)
+    got = arena.read_exact_into(f, memoryview(head))  # a pipe may deliver the 32 bytes in pieces
+    _, total, _ = format.decode_fixed(bytes(head[:got]), None)
+    if available is not None and total > available:
+        raise SnapshotError(f"truncated snapshot: the header says {total} bytes, the file holds {available}")
+    capacity = min(total, _FIRST_READ)  # even a file's size is only what it claims to hold (it may be sparse)
+    memory = arena.anonymous(capacity)
+    memory[:got] = head
+    while True:
+        view = memoryview(memory)
+        try:
+            n = arena.read_exact_into(f, view[got:capacity])
+        finally:
+            view.release()  # no export may outlive this pass: resize needs none
+        got += n
+        if got < capacity or capacity == total:
+            break
+        capacity = min(total, 2 * capacity)
+        memory.resize(capacity)  # mremap: the pages move, nothing is copied
     if got != total:
+        memory.close()
         raise SnapshotError(f"truncated snapshot: the header says {total} bytes, the input ended after {got}")
     return memory
 
 
-def _open_path(path: PathLike, copy: bool) -> mmap.mmap:
+def _open_path(path: PathLike, copy: bool) -> tuple[mmap.mmap, bool]:
+    """The snapshot at ``path``, mapped or read, and whether its bytes can no longer change (read into private
+    memory, or a sealed memfd) rather than a mapping of a file someone could rewrite."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
@@ -381,17 +420,18 @@ def _open_path(path: PathLike, copy: bool) -> mmap.mmap:
         size = st.st_size if stat.S_ISREG(st.st_mode) else None
         if size is None or copy:
             with os.fdopen(os.dup(fd), "rb", buffering=0) as raw:
-                memory = _read_copy(raw)
+                memory = _read_copy(raw, size)
                 if raw.read(1):
                     raise SnapshotError(f"trailing bytes after the {len(memory)}-byte snapshot in {path!r}")
-                return memory
-        return _map_fd(fd, size)
+                return memory, True
+        return _map_fd(fd, size), arena.is_immutable(fd)
     finally:
         os.close(fd)
 
 
-def _open_file(f: BinaryIO, copy: bool) -> mmap.mmap:
-    """Map a snapshot at the current position of an open file, or read it when that is not possible."""
+def _open_file(f: BinaryIO, copy: bool) -> tuple[mmap.mmap, bool]:
+    """Map a snapshot at the current position of an open file, or read it when that is not possible; and
+    whether its bytes can no longer change (as for :func:`_open_path`)."""
     try:
         fd = f.fileno()
         start = f.tell()
@@ -399,7 +439,7 @@ def _open_file(f: BinaryIO, copy: bool) -> mmap.mmap:
     except (AttributeError, OSError, io.UnsupportedOperation):
         size = None
     if copy or size is None or start % mmap.ALLOCATIONGRANULARITY:
-        return _read_copy(f)
+        return _read_copy(f, None if size is None else max(size - start, 0)), True
     fixed = os.pread(fd, format.FIXED_NBYTES, start)
     _, total, _ = format.decode_fixed(fixed, None)
     if start + total > size:
@@ -408,7 +448,7 @@ def _open_file(f: BinaryIO, copy: bool) -> mmap.mmap:
         )
     memory = _map_fd(fd, total, start)
     f.seek(start + total)
-    return memory
+    return memory, arena.is_immutable(fd)
 
 
 def load(
@@ -439,10 +479,17 @@ def load(
         allow: globals this call may resolve beyond the built-in safe set: classes or functions, or
             ``"module:qualname"`` strings (for example ``allow=[MyModel, "collections:Counter"]``).
         copy: read the snapshot into private memory instead of mapping it (for file systems where mapping
-            is unsafe or slow).
-        verify: check every buffer against its recorded checksum before unpickling (reads every byte).
+            is unsafe or slow, or files another program may truncate in place). Memory grows with what the
+            input delivers, never beyond it.
+        verify: check every buffer against its recorded checksum before unpickling (reads every byte). The
+            tensors then hold exactly the bytes that matched: a mapped file's buffers are copied into private
+            memory and hashed from the copy, in one pass (the cost of a memory copy, and the data is no longer
+            shared with the page cache), so rewriting the file afterwards changes nothing. With ``copy=True``
+            or a sealed memfd there is nothing to protect against, and the check hashes in place.
         key: the secret the snapshot was signed with; its signature must verify, and then the load is
-            trusted unless ``trusted=False``.
+            trusted unless ``trusted=False``. The signature covers the header and the stream (checked and
+            unpickled from private copies) and, through the checksums it signs, the buffers: add
+            ``verify=True`` to check those too.
 
     Returns:
         The object graph.
@@ -455,13 +502,19 @@ def load(
         DeviceError: a storage's target device does not exist here (nothing was built).
     """
     if isinstance(f, (str, os.PathLike)):
-        memory = _open_path(f, copy)
+        memory, stable = _open_path(f, copy)
     elif hasattr(f, "read"):
-        memory = _open_file(f, copy)  # type: ignore[arg-type]
+        memory, stable = _open_file(f, copy)  # type: ignore[arg-type]
     else:
         raise ArgumentError(f"load() needs a path or a binary file object, not {type(f).__name__}")
     return _load_view(
-        memoryview(memory), map_location=map_location, trusted=trusted, allow=allow, verify=verify, key=key
+        memoryview(memory),
+        map_location=map_location,
+        trusted=trusted,
+        allow=allow,
+        verify=verify,
+        key=key,
+        stable=stable,
     )
 
 
@@ -488,7 +541,9 @@ def loads(
       into private memory and the tensors are views into that copy. No tensor ever aliases immutable memory.
     * ``data`` writable and 16-byte aligned (``bytearray``, a writable ``mmap``): zero-copy. The tensors are
       views into ``data`` and keep it alive; writing to a tensor writes into ``data``, and every load of the
-      same buffer sees it. Pass ``copy=True`` for private tensors.
+      same buffer sees it. Pass ``copy=True`` for private tensors. With ``verify=True`` and without
+      ``copy=True``, each buffer is copied into private memory as it is checked (``data`` could change after
+      the check), so those tensors are not views into ``data``.
 
     Args:
         data: one complete snapshot, as :func:`dumps` returns it.
@@ -514,22 +569,25 @@ def loads(
             + ("data is read-only" if view.readonly else "data is not aligned")
             + " (pass copy=None to copy it)"
         )
-    if copy or not zero_copy_possible:
+    copied = bool(copy or not zero_copy_possible)
+    if copied:
         if view.nbytes < format.FIXED_NBYTES:
             format.decode_fixed(view, view.nbytes)  # raises the truncation error
         memory = arena.anonymous(view.nbytes)
         memory[:] = view
         view = memoryview(memory)
-    return _load_view(view, map_location=map_location, trusted=trusted, allow=allow, verify=verify, key=key)
+    return _load_view(
+        view, map_location=map_location, trusted=trusted, allow=allow, verify=verify, key=key, stable=copied
+    )
 
 
 def _view_of(f: PathLike | IO[bytes] | bytes | bytearray | memoryview, what: str) -> memoryview:
     if isinstance(f, (str, os.PathLike)):
-        return memoryview(_open_path(f, copy=False))
+        return memoryview(_open_path(f, copy=False)[0])
     if isinstance(f, (bytes, bytearray, memoryview, mmap.mmap)):
         return memoryview(f).cast("B")
     if hasattr(f, "read"):
-        return memoryview(_open_file(f, copy=False))  # type: ignore[arg-type]
+        return memoryview(_open_file(f, copy=False)[0])  # type: ignore[arg-type]
     raise ArgumentError(f"{what}() needs a path, a file object or bytes, not {type(f).__name__}")
 
 
@@ -561,6 +619,21 @@ def scan(f: PathLike | IO[bytes] | bytes | bytearray | memoryview) -> tuple[tupl
     view = _view_of(f, "scan")
     header = _header_of(view)
     return scan_stream(view[header.stream_offset : header.stream_offset + header.stream_nbytes])
+
+
+def _unsealed_message(fd: int, own: int) -> str:
+    seals = arena.seals_of(own)
+    if seals is None:
+        what = "a regular file, which cannot be sealed"
+    else:
+        missing = [name for bit, name in arena.SEAL_NAMES.items() if bit & arena.IMMUTABLE_SEALS & ~seals]
+        what = f"a memfd without the seal(s) {', '.join(missing)}"
+    return (
+        f"fd {fd} is {what}: its sender can still shrink it under this process's mappings (SIGBUS) or change "
+        f"its bytes after they were checked. Have the sender seal it (F_SEAL_SHRINK, F_SEAL_GROW and "
+        f"F_SEAL_WRITE, as zerocopy_pickle.freeze does), pass copy=True to load a private sealed copy of it, "
+        f"or trusted=True if you trust the sender"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -616,7 +689,9 @@ class Snapshot:
             SnapshotError: the file is not a valid snapshot.
             OSError: the file cannot be opened.
         """
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO is refused as unmappable at once instead of blocking until a writer appears (it
+        # changes nothing for regular files).
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             return cls._adopt(fd, trusted=False)
         except BaseException:
@@ -624,21 +699,53 @@ class Snapshot:
             raise
 
     @classmethod
-    def from_fd(cls, fd: int, *, trusted: bool = False) -> Snapshot:
+    def from_fd(cls, fd: int, *, trusted: bool = False, copy: bool = False) -> Snapshot:
         """Wrap a snapshot behind ``fd`` (a memfd or file received from elsewhere).
 
         The fd is duplicated: the caller keeps, and must close, its own.
 
+        An fd from a sender you do not trust must be a memfd sealed against any change of size or contents
+        (``F_SEAL_SHRINK``, ``F_SEAL_GROW`` and ``F_SEAL_WRITE``; :func:`freeze` adds them). Otherwise the sender
+        could shrink it under this process's mappings, and the next access to a lost page would kill the
+        process with SIGBUS, or rewrite bytes after a load checked them. An unsealed memfd or a regular file is
+        refused, unless ``copy=True`` or ``trusted=True``.
+
         Args:
             fd: an open file descriptor of a snapshot.
             trusted: the default ``trusted`` of this snapshot's loads (say True only when you know who wrote
-                it, for example an fd from your own model cache).
+                it, for example an fd from your own model cache). It also trusts the sender not to shrink or
+                rewrite the fd: it is then used as it is, sealed or not.
+            copy: when the fd is not sealed, copy the snapshot into a new memfd of this process's own and seal
+                that (one copy of the snapshot, in memory; a sealed fd is never copied). Later changes by the
+                sender cannot reach the copy, and the snapshot's loads are zero-copy views of it.
+
+        Raises:
+            SnapshotError: the fd is not a regular file or memfd; it is not sealed, and neither ``copy`` nor
+                ``trusted`` was given (the message says what is missing); the snapshot is malformed; or it
+                shrank while it was copied.
         """
         own = os.dup(fd)
         try:
-            return cls._adopt(own, trusted=trusted)
+            if (trusted and not copy) or arena.is_immutable(own):
+                return cls._adopt(own, trusted=trusted)
+            if arena.regular_file_size(own) is None:
+                raise SnapshotError("the fd is not a regular file or memfd: a snapshot must be mappable")
+            if not copy:
+                raise SnapshotError(_unsealed_message(fd, own))
+            checked = cls._adopt(own, trusted=trusted)  # validates the header before anything is copied
         except BaseException:
             os.close(own)
+            raise
+        try:
+            private = arena.copy_to_sealed_memfd(own, checked.nbytes, "zerocopy_pickle")
+        except EOFError as e:
+            raise SnapshotError(f"the snapshot behind fd {fd} shrank while it was copied: {e}") from None
+        finally:
+            checked.close()
+        try:
+            return cls._adopt(private, trusted=trusted)  # the copy's header is the one that counts
+        except BaseException:
+            os.close(private)
             raise
 
     @property
@@ -673,7 +780,9 @@ class Snapshot:
         """Load a new, independent copy-on-write object graph from this snapshot.
 
         Args:
-            map_location, allow, verify, key: as for :func:`load`.
+            map_location, allow, key: as for :func:`load`.
+            verify: as for :func:`load`: a sealed memfd is checked in place (zero-copy); a file's buffers
+                are copied into private memory as they are checked.
             trusted: None uses this snapshot's default (True for :func:`freeze`; else False unless ``key``
                 verified the signature).
 
@@ -692,7 +801,13 @@ class Snapshot:
         if trusted is None and self._trusted:
             trusted = True
         return _load_view(
-            memoryview(memory), map_location=map_location, trusted=trusted, allow=allow, verify=verify, key=key
+            memoryview(memory),
+            map_location=map_location,
+            trusted=trusted,
+            allow=allow,
+            verify=verify,
+            key=key,
+            stable=arena.is_immutable(fd),
         )
 
     def close(self) -> None:
