@@ -26,6 +26,11 @@ Methods (``--skip`` takes their keys, comma-separated):
 * ``pickle``: ``pickle.dump(obj, file, protocol=5)`` / ``pickle.load(file)`` (tensors travel in band).
 * ``zp``: ``zerocopy_pickle.dump`` / ``zerocopy_pickle.load`` (a file, mapped ``MAP_PRIVATE``).
 * ``zp-freeze``: ``zerocopy_pickle.freeze`` (a sealed memfd, no file system) / ``Snapshot.load``.
+* with ``zp``, two rows that load the ``zp`` file without a dump of their own: ``load(trusted=True)`` (no
+  restrictions: the fast path of snapshots you trust and of the model cache), and a restricted load that first
+  forgets every stream analysis (``zerocopy_pickle.semantics.forget()``), i.e. the first restricted load of that
+  stream in a process; the ``zp`` row's restricted loads are the later ones, which find the analysis by the
+  stream's digest.
 
 Columns (median seconds of ``--repeat`` runs):
 
@@ -65,6 +70,7 @@ The table ends with the project's targets, each marked PASS or MISS:
 * zerocopy_pickle load / safetensors load_file <= 0.5
 * zerocopy_pickle load+touch / raw mmap touch of the same bytes <= 1.1 (for both touch variants)
 * torch.save / zerocopy_pickle dump >= 2, and safetensors save_file / zerocopy_pickle dump >= 2
+* restricted load / trusted load <= 1.5, for the later loads and for the first load of a stream
 
 Raw samples go to ``--json PATH``, with the minor page faults of each touch run (a file whose page cache holds
 2 MiB folios maps 2 MiB per fault; 4 KiB pages, as in a memfd without shmem THP, take 32 faults for that with
@@ -98,6 +104,7 @@ from typing import Any
 import torch
 
 import zerocopy_pickle as zp
+from zerocopy_pickle import semantics
 from zerocopy_pickle.demo import build_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -326,6 +333,21 @@ def make_methods(workload: Workload, directory: str, skip: set[str]) -> None:
     if "zp" not in skip:
         methods.append(Method("zp", "zerocopy_pickle dump / load", zp_load, zp_dump, zcp, check=check))
         workload.zp_path = zcp
+        # The same file, loaded trusted (no restrictions), and restricted as the first load of its stream in a
+        # process (the stream's analysis is remembered by its digest; this forgets it before each load).
+        methods.append(
+            Method("zp-trusted", "zerocopy_pickle load(trusted=True)", lambda: zp.load(zcp, trusted=True), zp_dump,
+                   zcp, timed_dump=False, check=check)
+        )  # fmt: skip
+
+        def zp_load_first() -> Any:
+            semantics.forget()
+            return zp_load()
+
+        methods.append(
+            Method("zp-first", "zerocopy_pickle load, first of its stream", zp_load_first, zp_dump, zcp,
+                   timed_dump=False, check=check)
+        )  # fmt: skip
     if "zp-freeze" not in skip:
         frozen: list[zp.Snapshot] = []  # the snapshot of the last freeze, to load from
 
@@ -512,6 +534,13 @@ def targets(w: Workload) -> list[Target]:
             for col in TOUCHES
         ),
         ("torch.save / zerocopy_pickle dump", ratio(pt, "dump", zp_label, "dump"), ">=", 2.0),
+        ("restricted load / trusted load", ratio(zp_label, "load", labels.get("zp-trusted"), "load"), "<=", 1.5),
+        (
+            "restricted load (first of its stream) / trusted load",
+            ratio(labels.get("zp-first"), "load", labels.get("zp-trusted"), "load"),
+            "<=",
+            1.5,
+        ),
         ("safetensors save_file / zerocopy_pickle dump", ratio(st, "dump", zp_label, "dump"), ">=", 2.0),
     ]
     for name, value, op, bound in checks:

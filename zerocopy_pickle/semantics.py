@@ -42,7 +42,7 @@ from typing import Any
 from . import streamcheck
 from .errors import RestrictedLoadError, SnapshotError
 
-__all__ = ["MAX_DEPTH", "StreamUses", "analyze", "uses"]
+__all__ = ["MAX_DEPTH", "StreamUses", "analyze", "forget", "uses"]
 
 MAX_DEPTH = 5_000
 """Deepest nesting of values a restricted load accepts. pickle.dump itself stops near the recursion limit
@@ -462,3 +462,9 @@ def uses(stream: bytes) -> StreamUses:
         if len(_CACHE) > _CACHE_MAX:
             _CACHE.popitem(last=False)
     return result
+
+
+def forget() -> None:
+    """Drop every remembered analysis (benchmarks use it to time a stream's first restricted load)."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
