@@ -32,7 +32,7 @@ from typing import IO, Any
 
 import torch
 
-from . import rebuild
+from . import rebuild, validate
 from .device import MapLocation, static_target
 from .errors import ArgumentError, RestrictedLoadError, SnapshotError, ZeroCopyPickleError
 from .format import BufferSpec, PluginRef
@@ -405,8 +405,9 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         stream_uses: StreamUses | None = None,
     ) -> None:
         static_target(map_location, "cpu")  # reject a malformed map_location before reading anything
-        self._storage_builder = rebuild.StorageBuilder(map_location)
+        self._storage_builder = rebuild.StorageBuilder(map_location, copies=trusted)
         self._resolved: dict[tuple[str, str], object] | None = None
+        self._budget = 0
         self._stream: bytes | None = None
         self._uses = stream_uses
         if trusted:
@@ -417,6 +418,8 @@ class ZeroCopyUnpickler(pickle.Unpickler):
             data = file.read()
             self._stream = data if type(data) is bytes else bytes(data)
             file = io.BytesIO(self._stream)
+            held = sum(memoryview(b).nbytes for b in buffers) if isinstance(buffers, (list, tuple)) else 0
+            self._budget = 2 * (len(self._stream) + held)
         super().__init__(file, fix_imports=fix_imports, encoding=encoding, errors=errors, buffers=buffers)
 
     def load(self) -> Any:
@@ -428,7 +431,7 @@ class ZeroCopyUnpickler(pickle.Unpickler):
             uses = self._uses if self._uses is not None else stream_uses(self._stream)
             self._resolved = self.allow_list.admit(uses)
         try:
-            with _gc_paused():
+            with _gc_paused(), validate.budget(self._budget):
                 return super().load()
         except ZeroCopyPickleError:
             raise

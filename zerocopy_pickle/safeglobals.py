@@ -34,6 +34,7 @@ import torch
 from . import rebuild
 from .validate import (
     MAX_DIMS,
+    charge,
     expect,
     expect_bool,
     expect_int,
@@ -338,7 +339,9 @@ def safe_rebuild_qtensor(
         expect_int(params[3], where, "axis", hi=max(len(size) - 1, 0))
     else:
         fail(where, f"unknown qscheme {params[0]}")
-    # The full-size allocation torch makes first is bounded by check_view above.
+    # The full-size allocation torch makes first is bounded by check_view above, and charged: a stream could
+    # name the same storage over and over.
+    charge(math.prod(size), where)
     tensor: torch.Tensor = torch._utils._rebuild_qtensor(
         typed, storage_offset, size, stride, params, requires_grad, collections.OrderedDict()
     )
@@ -364,6 +367,7 @@ def safe_rebuild_sparse_tensor(layout: Any, data: Any) -> torch.Tensor:
         values = _index_tensor(data[1], where, "values")
         size = expect_int_tuple(data[2], where, "size")
         coalesced = expect_optional(data[3], bool, where, "is_coalesced") if len(data) == 4 else None
+        charge(indices.numel() + values.numel(), where)
         return torch.sparse_coo_tensor(indices, values, size, check_invariants=True, is_coalesced=coalesced)
     if layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
         if len(data) != 4:
@@ -372,6 +376,7 @@ def safe_rebuild_sparse_tensor(layout: Any, data: Any) -> torch.Tensor:
         plain = _index_tensor(data[1], where, "plain_indices")
         values = _index_tensor(data[2], where, "values")
         size = expect_int_tuple(data[3], where, "size")
+        charge(compressed.numel() + plain.numel() + values.numel(), where)
         return torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout, check_invariants=True)
     return fail(where, f"unknown sparse layout {layout}")
 
@@ -391,6 +396,7 @@ def safe_rebuild_nested_tensor(buffer: Any, sizes: Any, strides: Any, storage_of
         fail(where, "sizes and strides must be (n, d) tensors and storage_offsets an (n,) tensor")
     if bool((sizes < 0).any()) or bool((strides < 0).any()) or bool((offsets < 0).any()):
         fail(where, "sizes, strides and storage_offsets must not be negative")
+    charge(sizes.numel() + strides.numel() + offsets.numel(), where)
     if sizes.shape[0]:
         empty = (sizes == 0).any(dim=1)
         last = offsets + ((sizes - 1).clamp(min=0) * strides).sum(dim=1)
@@ -415,6 +421,7 @@ def _state_dicts(state: Any, where: str) -> tuple[dict[str, Any] | None, dict[st
             out.append(None)
             continue
         expect(part, (dict, collections.OrderedDict), where, "state")
+        charge(len(part), where)
         for key in part:
             if type(key) is not str or key.startswith("__") or key in _HOOK_ATTRIBUTES:
                 fail(where, f"state key {key!r:.60} is not a plain attribute name")
@@ -541,7 +548,9 @@ def safe_device(kind: Any, index: Any = None) -> torch.device:
 
 
 def _items(value: Any, where: str) -> list[Any] | tuple[Any, ...]:
-    return expect(value, (list, tuple), where, "iterable")  # type: ignore[no-any-return]
+    items: list[Any] | tuple[Any, ...] = expect(value, (list, tuple), where, "iterable")
+    charge(len(items), where)
+    return items
 
 
 def safe_ordered_dict(items: Any = ()) -> collections.OrderedDict[Any, Any]:
@@ -568,6 +577,7 @@ def safe_defaultdict(default_factory: Any = None, items: Any = ()) -> collection
     result: collections.defaultdict[Any, Any] = collections.defaultdict(factory)  # type: ignore[call-overload]
     if items:
         expect(items, (dict, collections.OrderedDict), where, "items")
+        charge(len(items), where)
         result.update(items)
     return result
 
@@ -583,7 +593,9 @@ def safe_counter(counts: Any = None) -> collections.Counter[Any]:
     where = "collections:Counter"
     if counts is None:
         return collections.Counter()
-    return collections.Counter(expect(counts, dict, where, "counts"))
+    expect(counts, dict, where, "counts")
+    charge(len(counts), where)
+    return collections.Counter(counts)
 
 
 def safe_set(items: Any = ()) -> set[Any]:

@@ -11,7 +11,10 @@ tuple or dict built by the stream itself. These helpers raise :class:`~zerocopy_
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import torch
@@ -19,8 +22,11 @@ import torch
 from .errors import UnsafeArgumentError
 
 __all__ = [
+    "BUDGET_FLOOR",
     "MAX_DIMS",
     "MAX_ELEMENTS",
+    "budget",
+    "charge",
     "dtype_from_name",
     "expect",
     "expect_bool",
@@ -135,3 +141,44 @@ def dtype_from_name(name: Any, where: str, what: str = "dtype") -> torch.dtype:
         return _dtypes()[name]
     except KeyError:
         fail(where, f"{what} {name!r} is not a torch dtype")
+
+
+# -- the copy budget -------------------------------------------------------------------------------------------
+# A stream can reference one container from its memo any number of times for a few bytes each; a safe global that
+# copies or walks its argument (OrderedDict(items), set(items), a sparse tensor's indices) would then do work in
+# proportion to the container's size for every reference: quadratic in the stream. Each load of a restricted
+# unpickler gets a budget of elements its safe globals may copy or walk, proportional to what the stream and its
+# buffers hold; a stream that copies every element it contains once stays far inside it.
+
+BUDGET_FLOOR = 1 << 20
+"""Elements every restricted load may copy or walk, whatever its size."""
+
+_BUDGET: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("zerocopy_pickle_budget", default=None)
+
+
+@contextlib.contextmanager
+def budget(elements: int) -> Iterator[None]:
+    """Give the safe globals called in this context ``max(elements, BUDGET_FLOOR)`` elements to copy or walk."""
+    token = _BUDGET.set([max(elements, BUDGET_FLOOR)])
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
+
+
+def charge(elements: int, where: str) -> None:
+    """Spend ``elements`` of the current load's budget (no budget outside a restricted load: no limit).
+
+    Raises:
+        UnsafeArgumentError: the budget is spent: the stream makes its safe globals copy more than it holds.
+    """
+    remaining = _BUDGET.get()
+    if remaining is None:
+        return
+    remaining[0] -= elements
+    if remaining[0] < 0:
+        fail(
+            where,
+            "the stream makes its functions copy or walk far more elements than it holds (one container referenced "
+            "over and over): refused as a memory and time amplification",
+        )
