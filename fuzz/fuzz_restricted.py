@@ -54,8 +54,9 @@ SEEN: set[str] = set()
 
 
 def _kind(error: BaseException) -> str:
-    """A finding's kind: its type and message with the stream, numbers and addresses left out."""
-    text = str(error).split("; stream", 1)[0]
+    """A finding's kind: its type and message with the stream, the changed attributes' names, numbers and
+    addresses left out."""
+    text = str(error).split("; stream", 1)[0].split(" | ", 1)[0]
     return f"{type(error).__name__}: " + re.sub(r"0x[0-9a-f]+|\d+", "#", text)[:300]
 
 

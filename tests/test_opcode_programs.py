@@ -254,7 +254,8 @@ def check_program(node: Node, pool: Sequence[bytes], sentinel: Path) -> None:
             zp.loads(data)
         assert not sentinel.exists(), f"a program wrote the sentinel: {stream!r}"
         changes = before.changes()
-        assert not changes, f"a program changed the process: {changes}; stream {stream!r}"
+        what = sorted({": ".join(change.split(": ")[:2]) for change in changes})  # object and attribute, no names
+        assert not changes, f"a program changed the process ({'; '.join(what)}) | {changes}; stream {stream!r}"
     finally:
         before.restore()
         with contextlib.suppress(FileNotFoundError):
