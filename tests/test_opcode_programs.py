@@ -98,10 +98,24 @@ def programs() -> st.SearchStrategy[Node]:
     """Valid-shaped programs over the globals of :func:`all_globals`."""
     pairs = all_globals()
     dtypes = [pair for pair in pairs if pair[0] == "torch" and pair[1][:1].islower()] or [("torch", "float32")]
-    globals_ = st.builds(lambda pair, stack: ("global", pair, stack), st.sampled_from(pairs), st.booleans())
+    plugin = sorted(set(default_registry().safe_globals()) - set(safe_globals())) or OTHER_GLOBALS
+    others = [pair for pair in pairs if pair not in dtypes and pair not in plugin] or OTHER_GLOBALS
+    # The safe set is mostly dtypes, qschemes and memory formats: draw a kind first, so that functions and classes
+    # (the built-in ones, the plugins', the unlisted and blocked ones) come up as often as module-level constants.
+    some_global = st.one_of(st.sampled_from(dtypes), st.sampled_from(others), st.sampled_from(plugin))
+    globals_ = st.builds(lambda pair, stack: ("global", pair, stack), some_global, st.booleans())
     dims = st.lists(st.one_of(st.integers(0, 8), INTS), max_size=3).map(tuple)
+    prim = PRIMITIVES.map(lambda v: ("prim", v))
+    flat_state = st.lists(st.tuples(st.sampled_from(NAMES).map(lambda v: ("prim", v)), prim), max_size=2)
     leaves = st.one_of(
-        PRIMITIVES.map(lambda v: ("prim", v)),
+        prim,
+        # BUILD applied to a global with a small state, as a leaf too: the attack is short, so it must be common.
+        st.builds(
+            lambda g, kv, slots: ("build", g, ("tuple", [("prim", None), ("dict", kv)]) if slots else ("dict", kv)),
+            globals_,
+            flat_state,
+            st.booleans(),
+        ),
         globals_,
         st.integers(0, 1000).map(lambda k: ("memoref", k)),
         st.just(("buffer",)),
@@ -135,7 +149,11 @@ def programs() -> st.SearchStrategy[Node]:
             st.builds(lambda x, y: ("popped", x, y), children, children),
         )
 
-    return st.recursive(leaves, extend, max_leaves=14)
+    # A program is a few statements (each value popped but the last), so one failing call need not hide the rest.
+    program = st.recursive(leaves, extend, max_leaves=14)
+    return st.lists(program, min_size=1, max_size=3).map(
+        lambda xs: xs[0] if len(xs) == 1 else ("popped", xs[0], ("popped", xs[1], xs[2]) if len(xs) == 3 else xs[1])
+    )
 
 
 def _enc_prim(value: Any, sentinel: str) -> bytes:
