@@ -127,9 +127,7 @@ def _too_deep(pos: int) -> SnapshotError:
 
 
 def _container(kind: int, items: list[_Tag], pos: int) -> _Tag:
-    depth = 0
-    for item in items:
-        depth = max(depth, item.depth)
+    depth = max([item.depth for item in items], default=0)
     if depth >= MAX_DEPTH:
         raise _too_deep(pos)
     return _Tag(kind, None, depth + 1)
@@ -170,6 +168,7 @@ def analyze(stream: bytes) -> StreamUses:
     mutated: dict[tuple[str, str], set[str]] = {}
     buffers = 0
     from_bytes = int.from_bytes
+    strings: dict[bytes, _Tag] = {}
     start = 0
     try:
         while pos < end:
@@ -185,9 +184,13 @@ def analyze(stream: bytes) -> StreamUses:
             elif op == 0x68:  # BINGET
                 stack.append(memo[data[pos]])
                 pos += 1
-            elif op == 0x8C:  # SHORT_BINUNICODE
+            elif op == 0x8C:  # SHORT_BINUNICODE (one immutable tag per distinct string)
                 n = data[pos]
-                stack.append(_Tag(_STR, data[pos + 1 : pos + 1 + n].decode("utf-8", "surrogatepass")))
+                raw = data[pos + 1 : pos + 1 + n]
+                tag = strings.get(raw)
+                if tag is None:
+                    tag = strings[raw] = _Tag(_STR, raw.decode("utf-8", "surrogatepass"))
+                stack.append(tag)
                 pos += 1 + n
             elif op == 0x52:  # REDUCE
                 args = stack.pop()
@@ -201,7 +204,10 @@ def analyze(stream: bytes) -> StreamUses:
                 called.add(func.pair)
                 stack[-1] = _Tag(_RESULT, func.pair, args.depth + 1)
             elif op == 0x85:  # TUPLE1
-                stack[-1] = _container(_TUPLE, stack[-1:], start)
+                depth = stack[-1].depth
+                if depth >= MAX_DEPTH:
+                    raise _too_deep(start)
+                stack[-1] = _Tag(_TUPLE, None, depth + 1)
             elif op == 0x28:  # MARK
                 metastack.append(stack)
                 stack = []
@@ -209,7 +215,13 @@ def analyze(stream: bytes) -> StreamUses:
                 buffers += 1
                 stack.append(_BUFFER_TAG)
             elif op == 0x86:  # TUPLE2
-                stack[-2:] = [_container(_TUPLE, stack[-2:], start)]
+                second = stack.pop()
+                depth = stack[-1].depth
+                if second.depth > depth:  # noqa: PLR1730 - cheaper than max() on this hot path
+                    depth = second.depth
+                if depth >= MAX_DEPTH:
+                    raise _too_deep(start)
+                stack[-1] = _Tag(_TUPLE, None, depth + 1)
             elif op in (0x88, 0x89, 0x4E):  # NEWTRUE, NEWFALSE, NONE
                 stack.append(_PRIM_TAG)
             elif op == 0x74:  # TUPLE
