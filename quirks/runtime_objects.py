@@ -18,9 +18,12 @@ Rebuilt fresh at load (the rebuild functions are safe globals, so restricted loa
   class. Its attributes are per thread and are **dropped**; a subclass's ``__init__`` runs again, with no
   arguments, in each thread that uses it (a subclass whose ``__init__`` needs arguments is refused at dump).
 * ``sys.stdin``/``stdout``/``stderr`` (and the ``sys.__std*__`` originals): rebound by name to the loading
-  process's stream.
+  process's stream, in **trusted loads only** (:func:`rebuild_standard_stream` is not a safe global: a restricted
+  load must never hand the process's own streams to a stream's author). Likewise a ``Barrier`` with an action.
 
-Subclasses of these types come back as themselves, with their extra ``__dict__`` entries.
+Subclasses of these types come back as themselves, with their extra ``__dict__`` entries (set by
+:func:`set_runtime_state`, a checked call: restricted loads never apply BUILD to what a plugin's function returned).
+The pure-Python ``_threading_local.local`` travels as a name, not as a class.
 
 Refused with a ``TypeError`` that says what to do, under every backend (the dump raises ``DumpError`` whose
 ``path`` names the object: ``obj.encoder.cache_file``): open files (``FileIO``, ``BufferedReader``/``Writer``/
