@@ -207,8 +207,8 @@ def _plain_stats(stats: dict[str, Any], where: str) -> dict[str, Any]:
     plain = {key: stats[key] for key in _PLAIN_STATS if key in stats}
     if blobs:
         blob = validate.expect_tensor(stats[blobs[0]], where, blobs[0], dtype=torch.uint8, dim=1)
-        if blob.numel() > _MAX_BLOB:
-            fail(where, f"{blobs[0]} is {blob.numel()} bytes (at most {_MAX_BLOB})")
+        if blob.numel() > _MAX_BLOB or blob.device.type == "meta":
+            fail(where, f"{blobs[0]} is {blob.numel()} bytes on {blob.device} (at most {_MAX_BLOB}, with data)")
         try:
             decoded = json.loads(bytes(blob.cpu().contiguous().numpy().tobytes()).decode("utf-8"))
         except (ValueError, RecursionError) as e:
@@ -379,6 +379,8 @@ def rebuild_params4bit(
     data = validate.expect_tensor(data, where, "data")
     checked_attrs = _params4bit_attrs(attrs, where)
     requires_grad = validate.expect_bool(requires_grad, where, "requires_grad")
+    if requires_grad and not (data.is_floating_point() or data.is_complex()):
+        fail(where, f"data of dtype {data.dtype} cannot require gradients")
     if stats is None:
         validate.expect_keys(layout, frozenset(), where, "layout")
         klass = _class_arg(cls, _PARAM_CLASSES, "Params4bit", where)
@@ -446,6 +448,8 @@ def rebuild_int8params(
     has_fp16_weights = validate.expect_bool(has_fp16_weights, where, "has_fp16_weights")
     CB = validate.expect_optional_tensor(CB, where, "CB")
     SCB = validate.expect_optional_tensor(SCB, where, "SCB")
+    if requires_grad and not (data.is_floating_point() or data.is_complex()):
+        fail(where, f"data of dtype {data.dtype} cannot require gradients")
     klass = _class_arg(cls, _INT8_CLASSES, "Int8Params", where)
     return klass(data, requires_grad=requires_grad, has_fp16_weights=has_fp16_weights, CB=CB, SCB=SCB)
 
