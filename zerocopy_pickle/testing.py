@@ -84,8 +84,18 @@ _RAN: list[str] = []
 """What the hostile objects' methods append to when anything runs them: must stay empty."""
 
 
+class _Runaway(BaseException):
+    """Raised by a hostile method that ran too often (a function looping over an object's ``__getitem__``): a
+    BaseException, so that the function's own ``except Exception`` cannot swallow it."""
+
+
+_MAX_RECORDS = 100
+
+
 def _record(what: str) -> None:
     _RAN.append(what)
+    if len(_RAN) > _MAX_RECORDS:
+        raise _Runaway(what)
 
 
 def _recording(name: str, result: Callable[[], Any]) -> Callable[..., Any]:
@@ -179,6 +189,7 @@ def hostile_values() -> list[tuple[str, Any]]:
     first; the rest are objects whose methods record in a shared list when anything runs them."""
     plain: list[tuple[str, Any]] = [
         *((f"str {s!r}", s) for s in ("system", "__class__", "float16", "torch.float16", "os.system", "")),
+        *((f"str {s!r}", s) for s in ("stdin", "stderr", "__stdin__", "modules", "load", "eval", "__import__")),
         ("str long", "x" * 100_000),
         *((f"int {n}", n) for n in (0, 1, -1, 2**31, 2**63, -(2**63), 10**100)),
         ("float nan", float("nan")),
@@ -298,6 +309,8 @@ def check_hostile_arguments(fn: Callable[..., Any], where: str, *, random_tuples
             with warnings.catch_warnings():  # a warning is not a finding, and must not reach the stand-ins
                 warnings.simplefilter("ignore")
                 result = fn(*args)
+        except _Runaway:
+            outcome = f"kept running hostile methods (stopped after {_MAX_RECORDS})"
         except ZeroCopyPickleError:
             outcome = None
         except Exception as e:  # the point: anything but this library's error is a finding
@@ -344,8 +357,10 @@ def _judge_result(result: object, args: tuple[Any, ...], streams: tuple[Any, ...
     if not all(_is_plain(arg) for arg in args):
         return f"returned {type(result).__qualname__} for arguments that are not plain data (it must refuse them)"
     shared = (*streams, sys.__stdin__, sys.__stdout__, sys.__stderr__)
-    if any(result is s for s in shared) or isinstance(
-        result, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)
+    if (
+        any(result is s for s in shared)
+        or type(result) is _RecordingStream
+        or isinstance(result, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType))
     ):
         return f"returned a shared object {result!r:.80}"
     return None
