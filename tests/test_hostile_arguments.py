@@ -3,14 +3,19 @@ can mishandle what a hostile stream gives it."""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import zerocopy_pickle as zp
 from zerocopy_pickle import validate
+from zerocopy_pickle.registry import default_registry
 from zerocopy_pickle.testing import check_hostile_arguments, hostile_values
 
 
@@ -99,3 +104,87 @@ def test_the_values_cover_the_attacks_of_the_review() -> None:
 def test_builtin_callables_without_a_signature_are_tried_at_every_arity() -> None:
     with pytest.raises(AssertionError, match="hostile calls were mishandled"):
         check_hostile_arguments(dict, "dict")  # dict(generator) iterates it, dict(x=...) ...
+
+
+# -- the quirks' safe globals, called by hostile streams through restricted loads ----------------------------------
+
+
+class Reduce:
+    """Pickles as ``func(*args)``: a stream that calls ``func`` with arguments of its choosing."""
+
+    def __init__(self, func: Any, *args: Any) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.func, self.args
+
+
+def _quirk_safe_globals() -> list[tuple[str, Any]]:
+    registry = default_registry()
+    found = []
+    for plugin in ("bitsandbytes", "runtime-objects", "torchscript", "stable-fast", "dynamic-modules"):
+        info = registry.plugins().get(plugin)
+        if info is None or info.state != "loaded":
+            continue
+        for module, name in registry.safe_globals(plugins=[plugin]):
+            if module.startswith("zerocopy_pickle_quirks."):
+                found.append((f"{module}:{name}", registry.resolve_safe_global(module, name, plugins=[plugin])))
+    return found
+
+
+@pytest.mark.parametrize("pair", _quirk_safe_globals(), ids=lambda pair: pair[0] if isinstance(pair, tuple) else "")
+def test_quirk_safe_globals_refuse_hostile_streams(pair: tuple[str, Any], tmp_path: Path) -> None:
+    """Every safe global a quirk declares, called by a restricted load's stream with each plain hostile value (the
+    attack strings, a sentinel path and a shell command naming it, huge ints, wrong types) at each position:
+    the load raises a SnapshotError or returns an object, nothing else; no sentinel file appears; stdin is not
+    read (it is a stand-in that records)."""
+    where, fn = pair
+    sentinel = tmp_path / "sentinel"
+    plain = [value for _, value in hostile_values() if _stream_safe(value)]
+    plain += [str(sentinel), f"touch {sentinel}", f"import os; os.system('touch {sentinel}')"]
+    arities = [n for n in range(7) if _bindable(fn, n)]
+    stdin = sys.stdin
+    sys.stdin = _ReadRecorder()  # type: ignore[assignment]
+    try:
+        for n in arities:
+            for position in range(n):
+                for value in plain:
+                    args = [None] * n
+                    args[position] = value
+                    data = zp.dumps(Reduce(fn, *args))
+                    with contextlib.suppress(zp.SnapshotError):  # or an object: genuine arguments
+                        zp.loads(data)
+            if n == 0:
+                zp.loads(zp.dumps(Reduce(fn)))
+        assert not sentinel.exists(), where
+        assert not sys.stdin.reads, where  # type: ignore[attr-defined]
+    finally:
+        sys.stdin = stdin
+
+
+class _ReadRecorder:
+    def __init__(self) -> None:
+        self.reads: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        self.reads.append(name)
+        raise AttributeError(name)
+
+
+def _stream_safe(value: Any) -> bool:
+    """Plain data a stream can carry by opcodes alone (no global a restricted load would refuse first)."""
+    if value is None or type(value) in (bool, int, float, str, bytes):
+        return True
+    if type(value) in (tuple, list):
+        return all(_stream_safe(v) for v in value)
+    if type(value) is dict:
+        return all(type(k) is str and _stream_safe(v) for k, v in value.items())
+    return False
+
+
+def _bindable(fn: Any, n: int) -> bool:
+    try:
+        inspect.signature(fn).bind(*([None] * n))
+    except TypeError:
+        return False
+    return True
