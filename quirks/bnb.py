@@ -30,32 +30,47 @@ there with bitsandbytes' own inverse, as ``Params4bit.cuda()`` does.
 
 Nothing here imports bitsandbytes or accelerate at registration: reducers are registered by type name, run only on
 objects of those libraries (so the library is already imported), and the rebuild functions import it on first use.
-Restricted loads accept the rebuild functions below, ``Params4bit``, ``Int8Params`` and bitsandbytes'
-``MatmulLtState`` (a dataclass of tensors and flags). The layer classes themselves are deliberately not declared
-safe: their constructors allocate a weight of whatever size they are given, so the stream names them by a string
-that :func:`rebuild_bnb_module` maps to the class and instantiates without calling ``__init__``.
+Restricted loads accept the rebuild functions and state setters below, and nothing else of this quirk: each is a
+plain function that checks the exact type, range and size of every argument before it imports or builds anything
+(``zerocopy_pickle.validate``; a bad one raises ``UnsafeArgumentError``). No class is declared safe: the layer
+classes' constructors allocate a weight of whatever size they are given, and a class would be open to NEWOBJ and
+BUILD. bitsandbytes' own classes (``Params4bit``, ``Int8Params``, the layers) travel as names from fixed tables
+that the rebuild functions map to the class; a subclass travels as a class object, which a restricted load accepts
+only through ``allow=`` and which must still derive from the class the rebuild builds. ``QuantState`` is built
+field by field from the checked ``as_dict(packed=True)`` record (its JSON blob decoded here, at most 4 KiB), never
+through ``QuantState.from_dict``, which resolves the dtype with ``getattr(torch, <string from the stream>)``; the
+shape must fit the blocks ``absmax`` covers and the 4-bit values the data holds. ``MatmulLtState``
+(``Linear8bitLt.state``) is reduced to its known fields and rebuilt from them. Snapshots written before these
+rules that name ``Params4bit``/``Int8Params``/``MatmulLtState`` as classes load with ``trusted=True`` (or
+``allow=``).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import json
+import math
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
 import zerocopy_pickle
+from zerocopy_pickle import validate
+from zerocopy_pickle.validate import fail
 
 # The rebuild functions and state setters below are named by every snapshot that used this quirk
 # (``zerocopy_pickle_quirks.bnb:<name>``): never rename or move one, nor change the meaning of its arguments.
 __all__ = [
     "rebuild_bnb_module",
     "rebuild_int8params",
+    "rebuild_matmul_lt_state",
     "rebuild_params4bit",
     "rebuild_quant_state",
     "reduce_bnb_module",
     "reduce_int8params",
+    "reduce_matmul_lt_state",
     "reduce_params4bit",
     "reduce_quant_state",
     "register",
@@ -116,27 +131,49 @@ def _bnb_functional() -> Any:
     return importlib.import_module("bitsandbytes.functional")
 
 
-def _check_class(cls: object, base: type, what: str) -> Any:
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise TypeError(f"{what} must be a subclass of {_type_key(base)}, not {cls!r:.80}")
-    return cls
+def _class_arg(cls: object, names: tuple[str, ...], base: str, where: str) -> Any:
+    """The class a rebuild builds: a name from ``names`` (a class of ``bitsandbytes.nn.modules``, what the reducers
+    write for bitsandbytes' own classes), or a class object (a subclass, which only the caller's ``allow=`` lets a
+    restricted load name) deriving from ``bitsandbytes.nn.modules.<base>``. Checked before importing anything."""
+    if type(cls) is str:
+        validate.expect_choice(cls, names, where, "class name")
+        return getattr(_bnb_nn(), cls)
+    if type(cls) is not type:
+        fail(where, f"the class must be a name from {list(names)} or a class, not {type(cls).__qualname__}")
+    return validate.expect_class(cls, getattr(_bnb_nn(), base), where, "the class")
 
 
-def _check_tensor(value: object, what: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{what} must be a tensor, not {type(value).__name__}")
-    return value
+def _class_ref(cls: type, names: tuple[str, ...]) -> str | type:
+    """What a reducer writes for ``cls``: its name when it is one of bitsandbytes' own (no class object in the
+    stream: restricted loads need no allow=), else the class itself."""
+    return cls.__qualname__ if cls.__module__ == _NN and cls.__qualname__ in names else cls
 
 
-def _check_new_attribute(cls: type, name: object) -> str:
+def _check_new_attribute(cls: type, name: object, where: str) -> str:
     """An attribute name a rebuild may set: a plain identifier that shadows nothing of the class (so a stream
     cannot replace ``data``, ``grad``, a property or a method through the state setter)."""
-    if not isinstance(name, str) or not name.isidentifier() or name.startswith("__") or hasattr(cls, name):
-        raise TypeError(f"refusing to set attribute {name!r:.80} on a {cls.__name__}")
+    validate.expect_str(name, where, "attribute name", max_len=256)
+    assert isinstance(name, str)
+    if not name.isidentifier() or name.startswith("__") or hasattr(cls, name):
+        fail(where, f"refusing to set attribute {name[:80]!r} on a {cls.__name__}")
     return name
 
 
+def _type_has(obj: object, base: type) -> bool:
+    """Whether ``base`` is in the MRO of ``obj``'s real type (``isinstance`` would ask ``obj.__class__``)."""
+    return base in type(obj).__mro__
+
+
 # -- QuantState ------------------------------------------------------------------------------------------------
+
+_QUANT_TYPES = ("nf4", "fp4")
+_PACKED_KEYS = tuple(f"quant_state.bitsandbytes__{q}" for q in _QUANT_TYPES)
+_TENSOR_STATS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+_PLAIN_STATS = ("quant_type", "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset")
+_STATS_KEYS = frozenset((*_TENSOR_STATS, *_PLAIN_STATS, *_PACKED_KEYS))
+_MAX_BLOB = 4096  # the packed JSON of the non-tensor fields is about 150 bytes
+_MAX_CODE = 256  # entries of a quantization map (16 for 4-bit, 256 for the nested 8-bit one)
+_MAX_BLOCKSIZE = 1 << 16
 
 
 def _quant_state_record(quant_state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -161,38 +198,118 @@ def _quant_state_record(quant_state: Any) -> tuple[dict[str, Any], dict[str, Any
     return quant_state.as_dict(packed=True), layout
 
 
-def _apply_layout(quant_state: Any, layout: object) -> None:
-    """Put back what ``_convert_weight_packed_for_cpu`` added to (or removed from) a QuantState."""
-    if not isinstance(layout, dict):
-        raise TypeError(f"a QuantState layout must be a dict, not {type(layout).__name__}")
+def _plain_stats(stats: dict[str, Any], where: str) -> dict[str, Any]:
+    """The non-tensor fields of a packed record: from its JSON blob (a 1-D ``uint8`` tensor of at most
+    ``_MAX_BLOB`` bytes, decoded here, never by bitsandbytes), or given as plain entries."""
+    blobs = [key for key in _PACKED_KEYS if key in stats]
+    if len(blobs) > 1:
+        fail(where, f"the statistics hold {len(blobs)} packed blobs")
+    plain = {key: stats[key] for key in _PLAIN_STATS if key in stats}
+    if blobs:
+        blob = validate.expect_tensor(stats[blobs[0]], where, blobs[0], dtype=torch.uint8, dim=1)
+        if blob.numel() > _MAX_BLOB or blob.device.type == "meta":
+            fail(where, f"{blobs[0]} is {blob.numel()} bytes on {blob.device} (at most {_MAX_BLOB}, with data)")
+        try:
+            decoded = json.loads(bytes(blob.cpu().contiguous().numpy().tobytes()).decode("utf-8"))
+        except (ValueError, RecursionError) as e:
+            fail(where, f"{blobs[0]} is not JSON: {e}")
+        validate.expect_keys(decoded, frozenset(_PLAIN_STATS), where, blobs[0])
+        if plain:
+            fail(where, f"the statistics hold both a packed blob and the entries {sorted(plain)}")
+        plain = decoded
+        if plain.get("quant_type") != blobs[0].rpartition("__")[2]:
+            fail(where, f"{blobs[0]} does not match its quant_type")
+    return plain
+
+
+def _shape_of(value: object, where: str) -> torch.Size:
+    if type(value) is list:  # JSON has no tuples
+        value = tuple(value)
+    return torch.Size(validate.expect_int_tuple(value, where, "shape"))
+
+
+def _quant_state_from_record(stats: object, layout: object, where: str) -> Any:
+    """A ``QuantState`` built from a checked ``as_dict(packed=True)`` record, field by field (never through
+    ``QuantState.from_dict``, which resolves the dtype with ``getattr(torch, <string>)``), on the device its
+    ``absmax`` was loaded to. Every check runs before bitsandbytes is imported."""
+    record = validate.expect_keys(stats, _STATS_KEYS, where, "quantization statistics")
+    absmax = validate.expect_tensor(record.get("absmax"), where, "absmax", dim=1)
+    code = validate.expect_tensor(record.get("quant_map"), where, "quant_map", dim=1)
+    if code.numel() > _MAX_CODE:
+        fail(where, f"quant_map has {code.numel()} entries (at most {_MAX_CODE})")
+    plain = _plain_stats(record, where)
+    quant_type = validate.expect_choice(plain.get("quant_type"), _QUANT_TYPES, where, "quant_type")
+    blocksize = validate.expect_int(plain.get("blocksize"), where, "blocksize", 1, _MAX_BLOCKSIZE)
+    dtype = validate.dtype_from_name(plain.get("dtype"), where)
+    shape = _shape_of(plain.get("shape"), where)
+    if math.prod(shape) > absmax.numel() * blocksize:
+        fail(where, f"shape {tuple(shape)} has more elements than {absmax.numel()} blocks of {blocksize} cover")
+    nested_keys: list[str] = [key for key in ("nested_absmax", "nested_quant_map") if key in record]
+    nested_keys += [key for key in ("nested_blocksize", "nested_dtype", "nested_offset") if key in plain]
+    nested = None
+    if nested_keys:
+        if len(nested_keys) != 5:
+            fail(where, f"nested statistics are incomplete: {sorted(nested_keys)}")
+        nested_absmax = validate.expect_tensor(record["nested_absmax"], where, "nested_absmax", dim=1)
+        nested_code = validate.expect_tensor(record["nested_quant_map"], where, "nested_quant_map", dim=1)
+        if nested_code.numel() > _MAX_CODE:
+            fail(where, f"nested_quant_map has {nested_code.numel()} entries (at most {_MAX_CODE})")
+        nested_blocksize = validate.expect_int(plain["nested_blocksize"], where, "nested_blocksize", 1, _MAX_BLOCKSIZE)
+        nested_dtype = validate.dtype_from_name(plain["nested_dtype"], where, "nested_dtype")
+        nested_offset = validate.expect_float(plain["nested_offset"], where, "nested_offset")
+        if absmax.numel() > nested_absmax.numel() * nested_blocksize:
+            fail(where, "absmax has more entries than the nested statistics cover")
+        nested = (nested_absmax, nested_code, nested_blocksize, nested_dtype, nested_offset)
+    checked_layout = _check_layout(layout, where)
+    device = absmax.device
+    quant_state_cls = _bnb_functional().QuantState
+    offset = state2 = None
+    if nested is not None:
+        nested_absmax, nested_code, nested_blocksize, nested_dtype, nested_offset = nested
+        offset = torch.tensor(nested_offset).to(device)
+        state2 = quant_state_cls(
+            absmax=nested_absmax.to(device), blocksize=nested_blocksize, code=nested_code.to(device), dtype=nested_dtype
+        )
+    quant_state = quant_state_cls(
+        quant_type=quant_type,
+        absmax=absmax,
+        blocksize=blocksize,
+        code=code.to(device),
+        dtype=dtype,
+        shape=shape,
+        offset=offset,
+        state2=state2,
+    )
+    _apply_layout(quant_state, checked_layout)
+    return quant_state
+
+
+def _check_layout(layout: object, where: str) -> dict[str, Any]:
+    """What ``_convert_weight_packed_for_cpu`` added to (or removed from) a QuantState, checked."""
+    table = validate.expect_keys(layout, frozenset((*_CPU_PACKING_FIELDS, _NO_STATE2, _STALE_OFFSET)), where, "layout")
+    checked: dict[str, Any] = {}
+    for name, value in table.items():
+        if name == _NO_STATE2:
+            checked[name] = validate.expect_bool(value, where, name)
+        elif name == _STALE_OFFSET:
+            checked[name] = validate.expect_tensor(value, where, name)
+        elif name in ("original_dtype", "original_storage_type"):
+            checked[name] = validate.expect_optional(value, torch.dtype, where, name)
+        elif name == "original_qshape":
+            checked[name] = torch.Size(validate.expect_int_tuple(value, where, name))
+        else:
+            checked[name] = validate.expect_bool(value, where, name)
+    return checked
+
+
+def _apply_layout(quant_state: Any, layout: dict[str, Any]) -> None:
+    """Put back a checked layout (:func:`_check_layout`) on a QuantState this module built."""
     for name, value in layout.items():
         if name == _NO_STATE2:
-            if value is True:
+            if value:
                 vars(quant_state).pop("state2", None)
-            continue
-        if name == _STALE_OFFSET:
-            quant_state.offset = _check_tensor(value, "offset")
-            continue
-        if name not in _CPU_PACKING_FIELDS:
-            raise TypeError(f"unknown QuantState layout entry {name!r:.80}")
-        if name in ("original_dtype", "original_storage_type"):
-            ok = value is None or isinstance(value, torch.dtype)
-        elif name == "original_qshape":
-            ok = isinstance(value, tuple) and all(isinstance(n, int) for n in value)
         else:
-            ok = isinstance(value, bool)
-        if not ok:
-            raise TypeError(f"QuantState layout entry {name!r} has a {type(value).__name__}")
-        setattr(quant_state, name, torch.Size(value) if name == "original_qshape" else value)
-
-
-def _quant_state_from_record(stats: object, layout: object, device: torch.device) -> Any:
-    if not isinstance(stats, dict):
-        raise TypeError(f"quantization statistics must be a dict, not {type(stats).__name__}")
-    # from_dict consumes its argument (pops the packed blob): give it a copy.
-    quant_state = _bnb_functional().QuantState.from_dict(dict(stats), device=device)
-    _apply_layout(quant_state, layout)
-    return quant_state
+            setattr(quant_state, name, value)
 
 
 def reduce_quant_state(quant_state: Any) -> tuple[Any, ...]:
@@ -203,11 +320,13 @@ def reduce_quant_state(quant_state: Any) -> tuple[Any, ...]:
 
 def rebuild_quant_state(stats: dict[str, Any], layout: dict[str, Any]) -> Any:
     """A ``QuantState`` from ``as_dict(packed=True)`` output, on the device its ``absmax`` was loaded to."""
-    absmax = _check_tensor(stats.get("absmax") if isinstance(stats, dict) else None, "absmax")
-    return _quant_state_from_record(stats, layout, absmax.device)
+    return _quant_state_from_record(stats, layout, "bitsandbytes rebuild_quant_state")
 
 
 # -- Params4bit and Int8Params -----------------------------------------------------------------------------------
+
+_PARAM_CLASSES = ("Params4bit",)
+_INT8_CLASSES = ("Int8Params",)
 
 
 def reduce_params4bit(param: Any) -> tuple[Any, ...]:
@@ -220,39 +339,72 @@ def reduce_params4bit(param: Any) -> tuple[Any, ...]:
     attrs = {name: fields[name] for name in _PARAMS4BIT_FIELDS if name in fields}
     extra = {k: v for k, v in fields.items() if k not in _PARAMS4BIT_FIELDS and k not in ("quant_state", "module")}
     # param.data is a plain Tensor aliasing the parameter's storage: the pickler's tensor reducer takes it.
-    args = (type(param), param.data, stats, layout, attrs, param.requires_grad)
+    cls = _class_ref(type(param), _PARAM_CLASSES)
+    args = (cls, param.data, stats, layout, attrs, param.requires_grad)
     module = fields.get("module")
     if module is None and not extra:
         return rebuild_params4bit, args
     return rebuild_params4bit, args, (module, extra), None, None, set_param_state
 
 
+def _params4bit_attrs(attrs: object, where: str) -> dict[str, Any]:
+    table = validate.expect_keys(attrs, frozenset(_PARAMS4BIT_FIELDS), where, "Params4bit attributes")
+    checked: dict[str, Any] = {}
+    for name, value in table.items():
+        if name == "blocksize":
+            checked[name] = validate.expect_int(value, where, name, 1, _MAX_BLOCKSIZE)
+        elif name == "quant_type":
+            checked[name] = validate.expect_choice(value, _QUANT_TYPES, where, name)
+        elif name == "quant_storage":
+            checked[name] = validate.expect(value, torch.dtype, where, name)
+        else:  # compress_statistics, bnb_quantized
+            checked[name] = validate.expect_bool(value, where, name)
+    return checked
+
+
 def rebuild_params4bit(
-    cls: type,
+    cls: str | type,
     data: torch.Tensor,
     stats: dict[str, Any] | None,
     layout: dict[str, Any],
     attrs: dict[str, Any],
     requires_grad: bool,
 ) -> Any:
-    """A ``Params4bit``: quantized ones through ``from_prequantized`` on the device ``data`` was loaded to (its
-    recorded device, or where the load's ``map_location`` sent it), others through the constructor."""
-    nn = _bnb_nn()
-    klass = _check_class(cls, nn.Params4bit, "a Params4bit class")
-    data = _check_tensor(data, "Params4bit data")
-    if not isinstance(attrs, dict) or not set(attrs) <= set(_PARAMS4BIT_FIELDS):
-        raise TypeError(f"Params4bit attributes must be a dict with keys from {_PARAMS4BIT_FIELDS}")
+    """A ``Params4bit``: quantized ones with a ``QuantState`` built from the checked record (as
+    ``from_prequantized`` does, on the device ``data`` was loaded to: its recorded device, or where the load's
+    ``map_location`` sent it), others through the constructor. ``cls`` is ``"Params4bit"`` or a subclass."""
+    where = "bitsandbytes rebuild_params4bit"
+    if type(cls) not in (str, type):
+        fail(where, f"the class must be a name or a class, not {type(cls).__qualname__}")
+    data = validate.expect_tensor(data, where, "data")
+    checked_attrs = _params4bit_attrs(attrs, where)
+    requires_grad = validate.expect_bool(requires_grad, where, "requires_grad")
+    if requires_grad and not (data.is_floating_point() or data.is_complex()):
+        fail(where, f"data of dtype {data.dtype} cannot require gradients")
     if stats is None:
-        return klass(data, requires_grad=bool(requires_grad), **attrs)
-    if not isinstance(stats, dict):
-        raise TypeError(f"quantization statistics must be a dict, not {type(stats).__name__}")
+        validate.expect_keys(layout, frozenset(), where, "layout")
+        klass = _class_arg(cls, _PARAM_CLASSES, "Params4bit", where)
+        return klass(data, requires_grad=requires_grad, **checked_attrs)
+    if not data.is_floating_point() and data.dtype is not torch.uint8:
+        fail(where, f"quantized data has dtype {data.dtype}")
+    quant_state = _quant_state_from_record(stats, layout, where)
+    if math.prod(quant_state.shape) > data.nbytes * 2:
+        fail(where, f"shape {tuple(quant_state.shape)} has more 4-bit values than {data.nbytes} bytes of data hold")
+    klass = _class_arg(cls, _PARAM_CLASSES, "Params4bit", where)
     device = data.device
-    # from_prequantized moves data and statistics to `device`: a no-op here, so the weight stays a view into the
-    # snapshot's mapping. from_dict consumes its argument: give it a copy.
-    param = klass.from_prequantized(data, dict(stats), requires_grad=bool(requires_grad), device=device)
-    for name, value in attrs.items():
+    # What from_prequantized does, with the QuantState built above instead of QuantState.from_dict. data stays
+    # where it is: a view into the snapshot's mapping.
+    param = torch.Tensor._make_subclass(klass, data)
+    param.requires_grad = requires_grad
+    param.quant_state = quant_state
+    param.blocksize = quant_state.blocksize
+    param.compress_statistics = quant_state.nested
+    param.quant_type = quant_state.quant_type
+    param.bnb_quantized = True
+    param.quant_storage = data.dtype
+    param.module = None
+    for name, value in checked_attrs.items():
         setattr(param, name, value)
-    _apply_layout(param.quant_state, layout)
     if getattr(param.quant_state, "packing_format_for_cpu", False) and device.type != "cpu":
         # The CPU layout computes only on the CPU; moved elsewhere by map_location, unpack as Params4bit.cuda()
         # does (on these fresh objects).
@@ -267,7 +419,7 @@ def reduce_int8params(param: Any) -> tuple[Any, ...]:
     fields = vars(param)
     extra = {k: v for k, v in fields.items() if k not in _INT8PARAMS_FIELDS}
     args = (
-        type(param),
+        _class_ref(type(param), _INT8_CLASSES),
         param.data,
         param.requires_grad,
         fields.get("has_fp16_weights", False),
@@ -280,7 +432,7 @@ def reduce_int8params(param: Any) -> tuple[Any, ...]:
 
 
 def rebuild_int8params(
-    cls: type,
+    cls: str | type,
     data: torch.Tensor,
     requires_grad: bool,
     has_fp16_weights: bool,
@@ -288,29 +440,85 @@ def rebuild_int8params(
     SCB: torch.Tensor | None,
 ) -> Any:
     """An ``Int8Params`` through its constructor (which wraps ``data`` without copying it)."""
-    klass = _check_class(cls, _bnb_nn().Int8Params, "an Int8Params class")
-    data = _check_tensor(data, "Int8Params data")
-    for name, value in (("CB", CB), ("SCB", SCB)):
-        if value is not None:
-            _check_tensor(value, name)
-    return klass(data, requires_grad=bool(requires_grad), has_fp16_weights=bool(has_fp16_weights), CB=CB, SCB=SCB)
+    where = "bitsandbytes rebuild_int8params"
+    if type(cls) not in (str, type):
+        fail(where, f"the class must be a name or a class, not {type(cls).__qualname__}")
+    data = validate.expect_tensor(data, where, "data")
+    requires_grad = validate.expect_bool(requires_grad, where, "requires_grad")
+    has_fp16_weights = validate.expect_bool(has_fp16_weights, where, "has_fp16_weights")
+    CB = validate.expect_optional_tensor(CB, where, "CB")
+    SCB = validate.expect_optional_tensor(SCB, where, "SCB")
+    if requires_grad and not (data.is_floating_point() or data.is_complex()):
+        fail(where, f"data of dtype {data.dtype} cannot require gradients")
+    klass = _class_arg(cls, _INT8_CLASSES, "Int8Params", where)
+    return klass(data, requires_grad=requires_grad, has_fp16_weights=has_fp16_weights, CB=CB, SCB=SCB)
 
 
 def set_param_state(param: Any, state: tuple[Any, dict[str, Any]]) -> None:
     """Pickle's state setter for the parameters: the owning module (``Params4bit.module``) and further instance
     attributes, set after the parameter exists so that the module can refer back to it."""
-    nn = _bnb_nn()
-    if not isinstance(param, (nn.Params4bit, nn.Int8Params)):
-        raise TypeError(f"expected a Params4bit or Int8Params, not {type(param).__name__}")
-    if not (isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict)):
-        raise TypeError("a bitsandbytes parameter's state must be (module, attributes)")
+    where = "bitsandbytes set_param_state"
+    if not _type_has(param, torch.Tensor):
+        fail(where, f"expected a Params4bit or Int8Params, not {type(param).__qualname__}")
+    if type(state) is not tuple or len(state) != 2:
+        fail(where, "a bitsandbytes parameter's state must be a tuple (module, attributes)")
     module, extra = state
-    if module is not None and not isinstance(module, torch.nn.Module):
-        raise TypeError(f"a Params4bit's module must be a Module, not {type(module).__name__}")
-    if isinstance(param, nn.Params4bit):
+    if module is not None and not _type_has(module, torch.nn.Module):
+        fail(where, f"a Params4bit's module must be a Module, not {type(module).__qualname__}")
+    extra = validate.expect_str_dict(extra, where, "attributes", max_len=256)
+    nn = _bnb_nn()
+    is_4bit = _type_has(param, nn.Params4bit)
+    if not (is_4bit or _type_has(param, nn.Int8Params)):
+        fail(where, f"expected a Params4bit or Int8Params, not {type(param).__qualname__}")
+    if module is not None and not is_4bit:
+        fail(where, "only a Params4bit has a module")
+    names = [_check_new_attribute(type(param), name, where) for name in extra]
+    if is_4bit:
         param.module = module
-    for name, value in extra.items():
-        setattr(param, _check_new_attribute(type(param), name), value)
+    for name in names:
+        setattr(param, name, extra[name])
+
+
+# -- MatmulLtState -----------------------------------------------------------------------------------------------
+
+_MATMUL_BOOLS = ("force_no_igemmlt", "has_accumulated_gradients", "is_training", "has_fp16_weights", "use_pool")
+_MATMUL_TENSORS = ("CB", "SB", "SCB", "SBt", "CBt", "subB", "idx")
+_MATMUL_FIELDS = frozenset((*_MATMUL_BOOLS, *_MATMUL_TENSORS, "threshold", "outlier_pool"))
+
+
+def reduce_matmul_lt_state(state: Any) -> tuple[Any, ...]:
+    """``Linear8bitLt.state`` (a dataclass of tensors and flags) to its fields, by name."""
+    fields = dict(vars(state))
+    unknown = sorted(set(fields) - _MATMUL_FIELDS)
+    if unknown:
+        raise TypeError(
+            f"zerocopy_pickle's bitsandbytes quirk does not know the MatmulLtState attribute(s) {unknown}; "
+            f"this bitsandbytes version is not supported yet"
+        )
+    if fields.pop("outlier_pool", None) is not None:
+        raise zerocopy_pickle.Unpicklable(
+            "a Linear8bitLt's MatmulLtState holds an outlier pool (use_pool during training), a process-wide "
+            "singleton of bitsandbytes: reset it (layer.state.outlier_pool = None) before dumping"
+        )
+    return rebuild_matmul_lt_state, (fields,)
+
+
+def rebuild_matmul_lt_state(fields: dict[str, Any]) -> Any:
+    """A ``MatmulLtState`` with the checked ``fields`` (flags, the threshold, tensors or None)."""
+    where = "bitsandbytes rebuild_matmul_lt_state"
+    table = validate.expect_keys(fields, _MATMUL_FIELDS - {"outlier_pool"}, where, "fields")
+    checked: dict[str, Any] = {}
+    for name, value in table.items():
+        if name in _MATMUL_BOOLS:
+            checked[name] = validate.expect_bool(value, where, name)
+        elif name == "threshold":
+            checked[name] = validate.expect_float(value, where, name)
+        else:
+            checked[name] = validate.expect_optional_tensor(value, where, name)
+    state = importlib.import_module("bitsandbytes.autograd._functions").MatmulLtState()
+    for name, value in checked.items():
+        setattr(state, name, value)
+    return state
 
 
 # -- Linear4bit and Linear8bitLt ---------------------------------------------------------------------------------
@@ -411,7 +619,7 @@ def reduce_bnb_module(module: Any) -> tuple[Any, ...]:
         if weight is not None and getattr(weight, "__dict__", {}).get("quant_state") is quant_state:
             del state["quant_state"]
             relink = True
-    name = cls.__qualname__ if cls.__module__ == _NN and cls.__qualname__ in _MODULE_CLASSES else cls
+    name = _class_ref(cls, _MODULE_CLASSES)
     return rebuild_bnb_module, (name,), (state, relink, rearrange_keys, hooks), None, None, set_bnb_module_state
 
 
@@ -421,35 +629,71 @@ def _module_bases() -> tuple[type, ...]:
 
 
 def rebuild_bnb_module(cls: str | type) -> Any:
-    """An empty instance of a bitsandbytes layer class (``__init__`` is not called: its state follows)."""
-    if isinstance(cls, str):
-        if cls not in _MODULE_CLASSES:
-            raise TypeError(f"{cls!r:.80} is not a bitsandbytes layer class this quirk rebuilds")
-        cls = getattr(_bnb_nn(), cls)
-    klass = _check_class(cls, torch.nn.Module, "a bitsandbytes layer class")
-    if not issubclass(klass, _module_bases()):
-        raise TypeError(f"{_type_key(klass)} is not a bitsandbytes Linear4bit or Linear8bitLt")
-    return klass.__new__(klass)
+    """An empty instance of a bitsandbytes layer class (``__init__`` is not called: its state follows): a name
+    from ``_MODULE_CLASSES``, or a subclass of ``Linear4bit``/``Linear8bitLt`` the caller allowed."""
+    where = "bitsandbytes rebuild_bnb_module"
+    if type(cls) is str:
+        validate.expect_choice(cls, _MODULE_CLASSES, where, "layer class name")
+        klass = getattr(_bnb_nn(), cls)
+    else:
+        validate.expect(cls, type, where, "layer class")
+        klass = validate.expect_class(cls, _module_bases(), where, "layer class")
+    if klass.__new__ is not object.__new__:
+        fail(where, f"{_type_key(klass)} defines __new__")
+    return object.__new__(klass)
+
+
+# Module.__dict__ entries that shadow class attributes on purpose.
+_MODULE_INSTANCE_OVERRIDES = frozenset({"training"})
 
 
 def set_bnb_module_state(module: Any, state: tuple[Any, ...]) -> None:
-    """Pickle's state setter for the layers: ``Module.__setstate__``, then what the reducer took apart."""
-    if not issubclass(type(module), _module_bases()):  # (not isinstance: keep `module` typed Any)
-        raise TypeError(f"expected a bitsandbytes Linear4bit or Linear8bitLt, not {type(module).__name__}")
-    if not (isinstance(state, tuple) and len(state) == 4 and isinstance(state[0], dict)):
-        raise TypeError("a bitsandbytes layer's state must be (dict, relink, rearrange keys, hooks)")
+    """Pickle's state setter for the layers: ``Module.__setstate__``, then what the reducer took apart.
+
+    The attribute names are checked first: identifiers that shadow nothing of the class (a stream cannot
+    replace ``forward`` or a property), and the layer must be one :func:`rebuild_bnb_module` built and not yet
+    filled (its ``__dict__`` is empty)."""
+    where = "bitsandbytes set_bnb_module_state"
+    if not _type_has(module, torch.nn.Module):
+        fail(where, f"expected a bitsandbytes layer, not {type(module).__qualname__}")
+    if type(state) is not tuple or len(state) != 4:
+        fail(where, "a bitsandbytes layer's state must be a tuple (dict, relink, rearrange keys, hooks)")
     fields, relink, rearrange_keys, hooks = state
+    fields = validate.expect_str_dict(fields, where, "the layer's attributes", max_len=4096)
+    relink = validate.expect_bool(relink, where, "relink")
+    if type(rearrange_keys) is not list or len(rearrange_keys) > 64:
+        fail(where, "rearrange keys must be a list of at most 64 ints")
+    keys = [validate.expect_int(key, where, "rearrange key", 0, 1 << 62) for key in rearrange_keys]
+    record = None if hooks is None else _check_hooks(hooks, where)
+    if not issubclass(type(module), _module_bases()):
+        fail(where, f"expected a bitsandbytes Linear4bit or Linear8bitLt, not {type(module).__qualname__}")
+    if vars(module):
+        fail(where, "the layer is already filled")
+    cls = type(module)
+    for name in fields:
+        if not name.isidentifier() or name.startswith("__"):
+            fail(where, f"refusing to set attribute {name[:80]!r} on a {cls.__name__}")
+        if name not in _MODULE_INSTANCE_OVERRIDES and hasattr(cls, name):
+            fail(where, f"refusing to set attribute {name!r}, which would shadow {cls.__name__}.{name}")
+    if type(fields.get("_parameters")) not in (dict, OrderedDict) or type(fields.get("_modules")) not in (
+        dict,
+        OrderedDict,
+    ):
+        fail(where, "the layer's _parameters and _modules must be dicts")
     module.__setstate__(fields)
-    if rearrange_keys:
+    if keys:
         wrapped_hook = importlib.import_module("torch.nn.modules.module")._WrappedHook
         pre_hooks = module._load_state_dict_pre_hooks
-        for key in rearrange_keys:
+        for key in keys:
             if key in pre_hooks:
                 pre_hooks[key] = wrapped_hook(_bnb_nn().maybe_rearrange_weight)
     if relink:
-        module.quant_state = module.weight.quant_state
-    if hooks is not None:
-        _attach_hooks(module, hooks)
+        weight = module._parameters.get("weight")
+        if not _type_has(weight, _bnb_nn().Params4bit):
+            fail(where, "relink needs a Params4bit weight")
+        module.quant_state = weight.quant_state
+    if record is not None:
+        _attach_hooks(module, record)
 
 
 def _same_device(device: object, name: str) -> bool:
@@ -463,17 +707,53 @@ def _same_device(device: object, name: str) -> bool:
         return False
 
 
-def _attach_hooks(module: Any, record: object) -> None:
-    """Attach accelerate ``AlignDevicesHook``s with the recorded settings, as ``dispatch_model`` did.
+def _check_device(value: object, where: str) -> Any:
+    """An accelerate execution device: None, an accelerator index, a device string, or a ``torch.device``."""
+    if value is None or type(value) is torch.device:
+        return value
+    if type(value) is int:
+        return validate.expect_int(value, where, "execution_device", 0, 1 << 16)
+    name = validate.expect_str(value, where, "execution_device", max_len=64)
+    try:
+        torch.device(name)
+    except (RuntimeError, ValueError):
+        fail(where, f"execution_device {name!r} is not a device")
+    return name
+
+
+def _check_hooks(record: object, where: str) -> dict[str, Any]:
+    """The accelerate hook settings the reducer recorded, checked (before accelerate is imported)."""
+    table = validate.expect_keys(record, frozenset({"hooks", "device"}), where, "accelerate hook settings")
+    specs = table.get("hooks")
+    if type(specs) is not list or not 1 <= len(specs) <= 16:
+        fail(where, "accelerate hook settings must hold a list of 1 to 16 hooks")
+    checked = []
+    for spec in specs:
+        settings = dict(validate.expect_keys(spec, _HOOK_SPEC_KEYS, where, "accelerate hook"))
+        for name in ("io_same_device", "offload_buffers", "place_submodules"):
+            if name in settings:
+                validate.expect_bool(settings[name], where, name)
+        if "execution_device" in settings:
+            settings["execution_device"] = _check_device(settings["execution_device"], where)
+        skip = settings.get("skip_keys")
+        if skip is not None and type(skip) is not str:
+            if type(skip) not in (list, tuple) or len(skip) > 256:
+                fail(where, "skip_keys must be None, a str or a list of at most 256 str")
+            settings["skip_keys"] = [validate.expect_str(k, where, "skip_keys entry") for k in skip]
+        checked.append(settings)
+    device = table.get("device")
+    if device is not None:
+        validate.expect_str(device, where, "device", max_len=64)
+    return {"hooks": checked, "device": device}
+
+
+def _attach_hooks(module: Any, record: dict[str, Any]) -> None:
+    """Attach accelerate ``AlignDevicesHook``s with the recorded (checked) settings, as ``dispatch_model`` did.
 
     A hook whose execution device was the device of the layer's weights follows the weights when the load's
     ``map_location`` moved them (a layer dumped on ``cuda:0`` and loaded with ``map_location="cpu"`` executes on
     the CPU, instead of being sent back to a GPU the loading machine may not have)."""
-    if not (isinstance(record, dict) and isinstance(record.get("hooks"), list)):
-        raise TypeError("accelerate hook settings must be a dict with a list of hooks")
     specs = record["hooks"]
-    if not all(isinstance(s, dict) and set(s) <= _HOOK_SPEC_KEYS for s in specs):
-        raise TypeError(f"accelerate hook settings may only name {sorted(_HOOK_SPEC_KEYS)}")
     try:
         accelerate_hooks = importlib.import_module("accelerate.hooks")
     except ImportError as e:
@@ -508,16 +788,16 @@ def register(registry: zerocopy_pickle.Registrar) -> None:
     registry.register_reducer(QUANT_STATE, reduce_quant_state)
     for name in _MODULE_BASES:  # subclasses (LinearFP4, LinearNF4, ...) are covered through their MRO
         registry.register_reducer(f"{_NN}:{name}", reduce_bnb_module)
+    registry.register_reducer(MATMUL_LT_STATE, reduce_matmul_lt_state)
+    # Plain functions only, each checking its arguments' exact types and sizes before doing anything: restricted
+    # loads call them with whatever a stream chose. No class is declared (a constructor allocates what it is told;
+    # NEWOBJ/BUILD on it would set anything): bitsandbytes' own classes travel by name.
     registry.add_safe_globals(
         rebuild_params4bit,
         rebuild_int8params,
         rebuild_quant_state,
+        rebuild_matmul_lt_state,
         rebuild_bnb_module,
         set_param_state,
         set_bnb_module_state,
-        # Constructors that only wrap the tensor they are given (an empty one by default): safe with any arguments.
-        PARAMS4BIT,
-        INT8PARAMS,
-        # A dataclass of tensors and flags (Linear8bitLt.state), pickled by __dict__.
-        MATMUL_LT_STATE,
     )

@@ -18,9 +18,12 @@ Rebuilt fresh at load (the rebuild functions are safe globals, so restricted loa
   class. Its attributes are per thread and are **dropped**; a subclass's ``__init__`` runs again, with no
   arguments, in each thread that uses it (a subclass whose ``__init__`` needs arguments is refused at dump).
 * ``sys.stdin``/``stdout``/``stderr`` (and the ``sys.__std*__`` originals): rebound by name to the loading
-  process's stream.
+  process's stream, in **trusted loads only** (:func:`rebuild_standard_stream` is not a safe global: a restricted
+  load must never hand the process's own streams to a stream's author). Likewise a ``Barrier`` with an action.
 
-Subclasses of these types come back as themselves, with their extra ``__dict__`` entries.
+Subclasses of these types come back as themselves, with their extra ``__dict__`` entries (set by
+:func:`set_runtime_state`, a checked call: restricted loads never apply BUILD to what a plugin's function returned).
+The pure-Python ``_threading_local.local`` travels as a name, not as a class.
 
 Refused with a ``TypeError`` that says what to do, under every backend (the dump raises ``DumpError`` whose
 ``path`` names the object: ``obj.encoder.cache_file``): open files (``FileIO``, ``BufferedReader``/``Writer``/
@@ -30,6 +33,7 @@ generators, and threads (``threading.Thread`` and subclasses such as ``Timer``).
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 import threading
@@ -37,11 +41,12 @@ from collections.abc import Callable
 from typing import Any
 
 import zerocopy_pickle
-from zerocopy_pickle import Unpicklable
+from zerocopy_pickle import Unpicklable, validate
 
 __all__ = [
     "RuntimeObjectRefused",
     "rebuild_barrier",
+    "rebuild_barrier_with_action",
     "rebuild_bounded_semaphore",
     "rebuild_condition",
     "rebuild_event",
@@ -52,6 +57,7 @@ __all__ = [
     "rebuild_standard_stream",
     "rebuild_thread_local",
     "register",
+    "set_runtime_state",
 ]
 
 PLUGIN = "runtime-objects"
@@ -66,15 +72,19 @@ class RuntimeObjectRefused(Unpicklable):
 
 
 # -- rebuild functions: their module path and name are part of every snapshot written with them ---------------
+#
+# Each safe global below is called by restricted loads with arguments a hostile stream chose: it checks the exact
+# type and range of every argument (zerocopy_pickle.validate) before it builds anything, and returns a new object.
+# A class argument is a subclass the caller's allow= let the stream name (or, for the pure-Python thread-local, a
+# name from a fixed table); it must derive from the type the function rebuilds, and its metaclass must be `type`.
+
+_MAX_COUNT = 1 << 62
 
 
-def _new(cls: type | None, base: type) -> Any:
+def _new(cls: object, base: type, where: str) -> Any:
     """An uninitialized instance of ``cls`` (default ``base``), which must be ``base`` or a subclass of it."""
-    if cls is None:
-        cls = base
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise TypeError(f"{cls!r:.80} is not a subclass of {base.__module__}.{base.__qualname__}")
-    return cls.__new__(cls)
+    klass: Any = base if cls is None else validate.expect_class(cls, base, where, "class")
+    return klass.__new__(klass)
 
 
 def rebuild_lock() -> Any:
@@ -86,9 +96,7 @@ def rebuild_rlock(cls: type | None = None) -> Any:
     """A new, released ``threading.RLock`` (of ``cls``, a subclass of an RLock type, when given)."""
     if cls is None:
         return threading.RLock()
-    if not (isinstance(cls, type) and issubclass(cls, _RLOCK_TYPES)):
-        raise TypeError(f"{cls!r:.80} is not an RLock type")
-    return cls()
+    return validate.expect_class(cls, _RLOCK_TYPES, "runtime-objects rebuild_rlock", "class")()
 
 
 def rebuild_python_rlock() -> Any:
@@ -97,16 +105,24 @@ def rebuild_python_rlock() -> Any:
     return threading._RLock()
 
 
+_LOCK_TYPES: tuple[type, ...] = (type(threading.Lock()), *_RLOCK_TYPES)
+
+
 def rebuild_condition(lock: Any, cls: type | None = None) -> threading.Condition:
-    """A new ``threading.Condition`` over ``lock`` (itself rebuilt released), with no waiters."""
-    condition: threading.Condition = _new(cls, threading.Condition)
+    """A new ``threading.Condition`` over ``lock`` (a lock or RLock the stream rebuilt, released), no waiters."""
+    where = "runtime-objects rebuild_condition"
+    if not any(base in type(lock).__mro__ for base in _LOCK_TYPES):
+        validate.fail(where, f"lock must be a Lock or RLock, not {type(lock).__qualname__}")
+    condition: threading.Condition = _new(cls, threading.Condition, where)
     threading.Condition.__init__(condition, lock)
     return condition
 
 
 def rebuild_event(flag: bool, cls: type | None = None) -> threading.Event:
     """A new ``threading.Event``, set if ``flag``."""
-    event: threading.Event = _new(cls, threading.Event)
+    where = "runtime-objects rebuild_event"
+    validate.expect_bool(flag, where, "flag")
+    event: threading.Event = _new(cls, threading.Event, where)
     threading.Event.__init__(event)
     if flag:
         event.set()
@@ -115,25 +131,55 @@ def rebuild_event(flag: bool, cls: type | None = None) -> threading.Event:
 
 def rebuild_semaphore(value: int, cls: type | None = None) -> threading.Semaphore:
     """A new ``threading.Semaphore`` whose counter is ``value``."""
-    semaphore: threading.Semaphore = _new(cls, threading.Semaphore)
+    where = "runtime-objects rebuild_semaphore"
+    validate.expect_int(value, where, "value", 0, _MAX_COUNT)
+    semaphore: threading.Semaphore = _new(cls, threading.Semaphore, where)
     threading.Semaphore.__init__(semaphore, value)
     return semaphore
 
 
 def rebuild_bounded_semaphore(value: int, cls: type | None = None) -> threading.BoundedSemaphore:
     """A new, full ``threading.BoundedSemaphore`` of initial value ``value``."""
-    semaphore: threading.BoundedSemaphore = _new(cls, threading.BoundedSemaphore)
+    where = "runtime-objects rebuild_bounded_semaphore"
+    validate.expect_int(value, where, "value", 0, _MAX_COUNT)
+    semaphore: threading.BoundedSemaphore = _new(cls, threading.BoundedSemaphore, where)
     threading.BoundedSemaphore.__init__(semaphore, value)
     return semaphore
+
+
+def _barrier_args(parties: object, timeout: object, where: str) -> tuple[int, float | None]:
+    count = validate.expect_int(parties, where, "parties", 1, _MAX_COUNT)
+    seconds = None if timeout is None else validate.expect_float(timeout, where, "timeout", 0.0)
+    return count, seconds
 
 
 def rebuild_barrier(
     parties: int, action: Callable[[], None] | None, timeout: float | None, cls: type | None = None
 ) -> threading.Barrier:
-    """A new ``threading.Barrier`` (filling, nobody waiting)."""
-    barrier: threading.Barrier = _new(cls, threading.Barrier)
-    threading.Barrier.__init__(barrier, parties, action, timeout)
+    """A new ``threading.Barrier`` (filling, nobody waiting), without an action: a barrier's action is a callable
+    the stream would choose and a thread would call, so a barrier with one is rebuilt by
+    :func:`rebuild_barrier_with_action`, which is not a safe global (``trusted=True`` only)."""
+    where = "runtime-objects rebuild_barrier"
+    count, seconds = _barrier_args(parties, timeout, where)
+    if action is not None:
+        validate.fail(where, "a Barrier with an action loads only with trusted=True")
+    barrier: threading.Barrier = _new(cls, threading.Barrier, where)
+    threading.Barrier.__init__(barrier, count, None, seconds)
     return barrier
+
+
+def rebuild_barrier_with_action(
+    parties: int, action: Callable[[], None], timeout: float | None, cls: type | None = None
+) -> threading.Barrier:
+    """A new ``threading.Barrier`` with an action (trusted loads only: not a safe global)."""
+    where = "runtime-objects rebuild_barrier_with_action"
+    count, seconds = _barrier_args(parties, timeout, where)
+    barrier: threading.Barrier = _new(cls, threading.Barrier, where)
+    threading.Barrier.__init__(barrier, count, action, seconds)
+    return barrier
+
+
+_PURE_LOCAL = "_threading_local:local"
 
 
 def _thread_local_bases() -> tuple[type, ...]:
@@ -141,19 +187,44 @@ def _thread_local_bases() -> tuple[type, ...]:
     return (threading.local,) if pure is None else (threading.local, pure.local)
 
 
-def rebuild_thread_local(cls: type | None = None) -> Any:
-    """A new, empty ``threading.local`` (of ``cls``, a subclass of a thread-local type, when given)."""
+def rebuild_thread_local(cls: type | str | None = None) -> Any:
+    """A new, empty ``threading.local``: of ``cls`` when given, a subclass of a thread-local type, or the name
+    ``"_threading_local:local"`` (the pure-Python one, which a stream names this way rather than as a class)."""
+    where = "runtime-objects rebuild_thread_local"
     if cls is None:
         return threading.local()
-    if not (isinstance(cls, type) and issubclass(cls, _thread_local_bases())):
-        raise TypeError(f"{cls!r:.80} is not a thread-local type")
-    return cls()
+    if type(cls) is str:
+        validate.expect_choice(cls, (_PURE_LOCAL,), where, "class name")
+        return importlib.import_module("_threading_local").local()
+    return validate.expect_class(cls, _thread_local_bases(), where, "class")()
+
+
+def set_runtime_state(obj: Any, state: dict[str, Any]) -> None:
+    """Pickle's state setter for the rebuilt types (their subclasses, mostly): extra ``__dict__`` entries.
+
+    Each name must be an identifier that shadows nothing of the class and none of the base's own instance
+    attributes (a stream cannot replace a condition's lock or a semaphore's counter)."""
+    where = "runtime-objects set_runtime_state"
+    base = next((b for b in _STATEFUL if b in type(obj).__mro__), None)
+    if base is None:
+        validate.fail(where, f"expected a rebuilt runtime object, not {type(obj).__qualname__}")
+    table = validate.expect_str_dict(state, where, "state", max_len=4096)
+    reserved = _base_keys(base)
+    for name in table:
+        if not name.isidentifier() or name.startswith("__") or name in reserved or hasattr(type(obj), name):
+            validate.fail(where, f"refusing to set attribute {name[:80]!r} on a {type(obj).__qualname__}")
+    for name, value in table.items():
+        setattr(obj, name, value)
 
 
 def rebuild_standard_stream(name: str) -> Any:
-    """The loading process's ``sys.<name>`` (``stdout``, ``__stderr__``, ...)."""
-    if name not in _STANDARD_STREAMS:
-        raise ValueError(f"{name!r:.80} is not a standard stream of sys")
+    """The loading process's ``sys.<name>`` (``stdout``, ``__stderr__``, ...).
+
+    Not a safe global: a restricted load must never hand the process's own streams to a stream's author (to read
+    stdin, or to wrap a stream whose writes then vanish). Snapshots holding a standard stream load with
+    ``trusted=True``."""
+    if type(name) is not str or name not in _STANDARD_STREAMS:
+        validate.fail("runtime-objects rebuild_standard_stream", f"{name!r:.80} is not a standard stream of sys")
     return getattr(sys, name)
 
 
@@ -172,14 +243,16 @@ def _base_keys(base: type) -> frozenset[str]:
 
 
 def _reduced(obj: Any, base: type, rebuild: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``(rebuild, args[, state])``: ``type(obj)`` appended for a subclass, and as state the ``__dict__``
-    entries the rebuild does not recreate (a subclass's attributes), each reduced in its turn."""
+    """``(rebuild, args[, state, None, None, set_runtime_state])``: ``type(obj)`` appended for a subclass, and as
+    state the ``__dict__`` entries the rebuild does not recreate (a subclass's attributes), each reduced in its
+    turn, set by :func:`set_runtime_state` (a call, not BUILD, which restricted loads never apply to what a
+    plugin's function returned)."""
     cls = type(obj)
     if cls is not base:
         args = (*args, cls)
     keys = _base_keys(base)
     extra = {key: value for key, value in getattr(obj, "__dict__", {}).items() if key not in keys}
-    return (rebuild, args, extra) if extra else (rebuild, args)
+    return (rebuild, args, extra, None, None, set_runtime_state) if extra else (rebuild, args)
 
 
 def reduce_lock(lock: Any) -> tuple[Any, ...]:
@@ -213,14 +286,19 @@ def reduce_bounded_semaphore(semaphore: threading.BoundedSemaphore) -> tuple[Any
 
 
 def reduce_barrier(barrier: threading.Barrier) -> tuple[Any, ...]:
-    args = (barrier.parties, barrier._action, barrier._timeout)  # type: ignore[attr-defined]
-    return _reduced(barrier, threading.Barrier, rebuild_barrier, args)
+    action = barrier._action  # type: ignore[attr-defined]
+    args = (barrier.parties, action, barrier._timeout)  # type: ignore[attr-defined]
+    return _reduced(
+        barrier, threading.Barrier, rebuild_barrier if action is None else rebuild_barrier_with_action, args
+    )
 
 
 def reduce_thread_local(local: Any) -> tuple[Any, ...]:
     cls = type(local)
     if cls is threading.local:
         return rebuild_thread_local, ()
+    if f"{cls.__module__}:{cls.__qualname__}" == _PURE_LOCAL:
+        return rebuild_thread_local, (_PURE_LOCAL,)
     if cls.__init__ is not object.__init__ and cls.__init__ is not threading.local.__init__:
         try:
             inspect.signature(cls).bind()
@@ -326,15 +404,24 @@ SAFE_GLOBALS = (
     rebuild_bounded_semaphore,
     rebuild_barrier,
     rebuild_thread_local,
-    rebuild_standard_stream,
+    set_runtime_state,
 )
-"""What the reduced streams reference: each builds a fresh synchronization object or returns a standard stream,
-whatever its arguments, and checks that a class argument is a subclass of the type it rebuilds."""
+"""What the reduced streams call in restricted loads: each checks its arguments' exact types and ranges, builds a
+fresh synchronization object, and checks that a class argument derives from the type it rebuilds. Not among them:
+:func:`rebuild_standard_stream` (the process's own ``sys.std*``) and :func:`rebuild_barrier_with_action` (a
+callable chosen by the stream), which only ``trusted=True`` loads (or an explicit ``allow=``) accept."""
+
+_STATEFUL: tuple[type, ...] = (
+    threading.Condition,
+    threading.BoundedSemaphore,  # before Semaphore: the more specific base wins
+    threading.Semaphore,
+    threading.Event,
+    threading.Barrier,
+)
 
 
 def register(registry: zerocopy_pickle.Registrar) -> None:
     """Entry point of the ``runtime-objects`` plugin."""
     for target, reduce in {**REBUILT, **REFUSED}.items():
         registry.register_reducer(target, reduce)
-    # The pure-Python thread-local, which a stream names as the class to rebuild (harmless with any arguments).
-    registry.add_safe_globals(*SAFE_GLOBALS, "_threading_local:local")
+    registry.add_safe_globals(*SAFE_GLOBALS)

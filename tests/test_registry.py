@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 import types
 from collections.abc import Iterator
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
+from zerocopy_pickle import validate
 from zerocopy_pickle.registry import Registry, default_registry
 
 
@@ -39,6 +42,35 @@ def reduce_shape(shape: Shape) -> tuple[Any, ...]:
 
 def reduce_square(square: Square) -> tuple[Any, ...]:
     return rebuild_shape, (Square, square.sides * 10, square.weights)
+
+
+SHAPES = {"Shape": Shape, "Square": Square}
+
+
+def rebuild_named_shape(name: Any, sides: Any, weights: Any) -> Shape:
+    """What a plugin declares safe: a module-level function that checks every argument's exact type first, and
+    takes its class by a name from a fixed table."""
+    where = "rebuild_named_shape"
+    cls = SHAPES[validate.expect_choice(name, tuple(SHAPES), where, "name")]
+    validate.expect_int(sides, where, "sides", 0, 1 << 20)
+    validate.expect_tensor(weights, where, "weights", dim=1)
+    return rebuild_shape(cls, sides, weights)
+
+
+def reduce_named_shape(shape: Shape) -> tuple[Any, ...]:
+    return rebuild_named_shape, (type(shape).__name__, shape.sides, shape.weights)
+
+
+def safe_a() -> None:
+    """A safe global of test plugin a."""
+
+
+def safe_b() -> None:
+    """A safe global of test plugin b."""
+
+
+def safe_unnamed() -> None:
+    """A safe global registered in-process without a plugin name."""
 
 
 @pytest.fixture
@@ -146,8 +178,8 @@ def test_plugin_is_recorded_and_its_safe_globals_allowed(clean: Registry) -> Non
     hook_calls: list[int] = []
 
     def register(registrar: zp.Registrar) -> None:
-        registrar.register_reducer(Shape, reduce_shape)
-        registrar.add_safe_globals(rebuild_shape, Shape, Square)
+        registrar.register_reducer(Shape, reduce_named_shape)
+        registrar.add_safe_globals(rebuild_named_shape)
         registrar.set_load_hook(lambda: hook_calls.append(1))
         registrar.add_patch_point("some.module:Pipeline.from_pretrained")
 
@@ -155,8 +187,9 @@ def test_plugin_is_recorded_and_its_safe_globals_allowed(clean: Registry) -> Non
     data = zp.dumps([Shape(2), Square(3)])
     assert [tuple(p) for p in zp.read_header(data).plugins] == [("test-shapes", "zcp-test-shapes")]
     loaded = zp.loads(data)  # restricted, without allow=: the plugin declared what its stream needs
-    assert [s.sides for s in loaded] == [2, 3]
-    assert hook_calls == [1]
+    assert [s.sides for s in loaded] == [2, 3] and type(loaded[1]) is Square
+    assert hook_calls == []  # a restricted load runs no load hook
+    assert clean.safe_globals(plugins=["test-shapes"]) == {(__name__, "rebuild_named_shape"): None}
     assert ("test-shapes", "some.module:Pipeline.from_pretrained") in clean.patch_points()
     assert clean.plugins()["test-shapes"].state == "registered"
 
@@ -189,8 +222,11 @@ def test_failing_load_hook(clean: Registry) -> None:
         registrar.set_load_hook(lambda: 1 / 0)
 
     clean.add_plugin("test-hook", register)
+    data = zp.dumps(Shape(1))
+    needed = [(p.name, p.package) for p in zp.read_header(data).plugins]
+    clean.prepare_load(needed)  # restricted (the default): the hook does not run
     with pytest.raises(zp.PluginError, match="load hook of plugin 'test-hook' failed: ZeroDivisionError"):
-        zp.loads(zp.dumps(Shape(1)), trusted=True)
+        clean.prepare_load(needed, trusted=True)
 
 
 def test_independent_registry_instance() -> None:
@@ -221,10 +257,128 @@ def test_module_claims_record_the_plugin(clean: Registry) -> None:
                 data = zp.dumps(obj, backend=backend)
                 assert [p.name for p in zp.read_header(data).plugins] == ["test-claims"], (obj, backend)
         assert zp.read_header(zp.dumps([1, Shape])).plugins == ()  # other modules: not claimed
-        zp.loads(zp.dumps(module.Widget()), trusted=True)
+        header = zp.read_header(zp.dumps(module.Widget()))
+        clean.prepare_load([(p.name, p.package) for p in header.plugins], trusted=True)
         assert calls == [1]
     finally:
         for key in (name, "zcp_claimed_ns", "zcp_claimed_ns.local"):
             del sys.modules[key]
     with pytest.raises(zp.PluginError, match="module prefix must be a dotted module name"):
         clean.add_plugin("test-bad-claim", lambda r: r.claim_modules(".x"))
+
+
+# -- trust rules: what a plugin may declare safe, whose declarations a load sees, which hooks run ----------------
+
+
+class _Callable:
+    def __call__(self) -> None:
+        pass
+
+
+def _closure_factory() -> Any:
+    def inner() -> None:
+        pass
+
+    return inner
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        Shape,  # a class: NEWOBJ/BUILD, a constructor with any arguments
+        len,  # a builtin
+        Shape(1).__init__,  # a bound method
+        lambda: None,
+        _closure_factory(),
+        functools.partial(safe_a),
+        _Callable(),
+        os.path.join,  # a plain function, but not of the plugin's own package
+        "os:system",  # by name, outside the plugin's package
+        "posixpath:join",
+    ],
+    ids=["class", "builtin", "method", "lambda", "closure", "partial", "callable", "foreign", "foreign-str", "str2"],
+)
+def test_plugin_safe_globals_must_be_its_own_module_level_functions(clean: Registry, entry: Any) -> None:
+    with pytest.raises(zp.PluginError):
+        clean.add_plugin("test-bad-safe", lambda r: r.add_safe_globals(entry))
+    assert clean.plugins()["test-bad-safe"].state == "failed"  # nothing it declared is kept
+    assert not clean.safe_globals(plugins=["test-bad-safe"]).keys() - clean.safe_globals(plugins=[]).keys()
+    with pytest.raises(zp.PluginError):
+        clean.add_plugin("test-bad-safe", lambda r: r.register_reducer(Shape, reduce_shape, safe_globals=[entry]))
+
+
+@pytest.mark.parametrize("entry", [Shape, len, lambda: None, functools.partial(safe_a)])
+def test_in_process_safe_globals_must_be_functions(clean: Registry, entry: Any) -> None:
+    with pytest.raises(zp.PluginError, match="not a plain Python function|not a module-level function"):
+        zp.register_reducer(Shape, reduce_shape, safe_globals=[entry])
+    assert f"{Shape.__module__}:Shape" not in clean.reducers()
+
+
+@pytest.mark.parametrize("entry", ["tests.test_registry:a.b", "no_colon", "tests.test_registry:", ":x"])
+def test_malformed_safe_global_strings(clean: Registry, entry: str) -> None:
+    with pytest.raises(zp.ArgumentError):
+        zp.register_reducer(Shape, reduce_shape, safe_globals=[entry])
+
+
+def test_string_safe_globals_are_checked_when_resolved(clean: Registry) -> None:
+    """A ``"module:function"`` entry is not imported at registration; resolving it checks it as a function would be."""
+    clean.add_plugin("test-strings", lambda r: r.add_safe_globals(f"{__name__}:Shape", f"{__name__}:safe_a"))
+    assert clean.resolve_safe_global(__name__, "safe_a", plugins=["test-strings"]) is safe_a
+    with pytest.raises(zp.PluginError, match="is a class, not a plain Python function"):
+        clean.resolve_safe_global(__name__, "Shape", plugins=["test-strings"])
+    with pytest.raises(zp.PluginError, match="not a declared safe global"):
+        clean.resolve_safe_global(__name__, "safe_a", plugins=["test-other"])
+    with pytest.raises(zp.PluginError, match="not a declared safe global"):
+        clean.resolve_safe_global("os", "system")
+
+
+def test_safe_globals_of_only_the_plugins_a_header_names(clean: Registry) -> None:
+    clean.add_plugin("test-a", lambda r: r.add_safe_globals(safe_a))
+    clean.add_plugin("test-b", lambda r: r.register_reducer(Square, reduce_square, safe_globals=[safe_b]))
+    zp.register_reducer(Shape, reduce_shape, safe_globals=[safe_unnamed])  # in-process, no plugin name
+    a, b, unnamed = ((__name__, f.__name__) for f in (safe_a, safe_b, safe_unnamed))
+    everything = clean.safe_globals()  # the old form: every enabled plugin's
+    assert {a, b, unnamed} <= set(everything)
+    only_a = clean.safe_globals(plugins=["test-a"])
+    assert a in only_a and b not in only_a
+    assert unnamed in only_a  # the running program's own declaration: no header can name it
+    only_b = clean.safe_globals(plugins=[("test-b", "zcp-b")])  # (name, package) pairs, as headers hold them
+    assert b in only_b and a not in only_b
+    none = clean.safe_globals(plugins=[])
+    assert a not in none and b not in none and unnamed in none
+    assert not [pair for pair in clean.safe_globals(plugins=[]) if pair[0].startswith("zerocopy_pickle_quirks")]
+
+
+def test_prepare_load_runs_hooks_only_when_trusted(clean: Registry) -> None:
+    ran: list[str] = []
+
+    def register(registrar: zp.Registrar) -> None:
+        registrar.set_load_hook(lambda: ran.append("hook"))
+
+    clean.add_plugin("test-hooked", register, package="zcp-hooked")
+    clean.prepare_load([("test-hooked", "zcp-hooked")])
+    clean.prepare_load([("test-hooked", "zcp-hooked")], trusted=False)
+    assert ran == []
+    clean.prepare_load([("test-hooked", "zcp-hooked")], trusted=True)
+    assert ran == ["hook"]
+    # Presence is still checked in restricted loads, before anything.
+    with pytest.raises(zp.PluginError, match="not installed: pip install zcp-absent"):
+        clean.prepare_load([("test-hooked", "zcp-hooked"), ("test-absent", "zcp-absent")])
+    assert ran == ["hook"]
+
+
+def test_restricted_load_of_a_hostile_header_runs_no_hook(clean: Registry) -> None:
+    """A snapshot that names a plugin it does not need (an attacker can write any header) gets its presence
+    checked, nothing more."""
+    ran: list[str] = []
+
+    def register(registrar: zp.Registrar) -> None:
+        registrar.register_reducer(Shape, reduce_named_shape)
+        registrar.add_safe_globals(rebuild_named_shape)
+        registrar.set_load_hook(lambda: ran.append("hook"))
+
+    clean.add_plugin("test-header", register)
+    data = zp.dumps({"x": Shape(2)})
+    assert [p.name for p in zp.read_header(data).plugins] == ["test-header"]
+    assert zp.loads(data)["x"].sides == 2
+    assert ran == []

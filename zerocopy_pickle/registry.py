@@ -14,6 +14,11 @@ else goes on. ``ZEROCOPY_PICKLE_DISABLE_PLUGINS=name,other`` (or ``*``) disables
 A plugin may also declare *safe globals* (what its reducers' streams reference, allowed in restricted loads),
 a *load hook* (run before a snapshot that used the plugin is unpickled, to prepare the process), and *patch
 points* for the model cache.
+
+Trust rules (docs/plugins.md): a safe global must be a plain module-level Python function
+(:func:`check_safe_global`), of the registering plugin's own top-level package, that validates its arguments
+(:mod:`zerocopy_pickle.validate`); a restricted load allows only the safe globals of the plugins its header names
+(:meth:`Registry.safe_globals`), and runs no load hook (:meth:`Registry.prepare_load`).
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ import contextvars
 import importlib
 import importlib.metadata
 import os
+import sys
 import threading
 import types
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from .errors import ArgumentError, PluginError
 
@@ -38,6 +44,7 @@ __all__ = [
     "Reducer",
     "Registrar",
     "Registry",
+    "check_safe_global",
     "default_registry",
     "reducers",
     "register_reducer",
@@ -84,25 +91,83 @@ def _target_key(target: object) -> tuple[str, type | None]:
     raise ArgumentError(f"reducer target must be a type or a 'module:QualName' string, not {target!r:.80}")
 
 
-def _global_pairs(entries: Iterable[object]) -> tuple[tuple[str, str], ...]:
+def _top(module: str) -> str:
+    return module.partition(".")[0]
+
+
+def check_safe_global(obj: object, home: str | None = None, *, plugin: str | None = None) -> types.FunctionType:
+    """``obj`` if it may be a plugin's safe global, else raise :class:`PluginError`.
+
+    A safe global is called by restricted loads with arguments a hostile stream chose, so it must be code the
+    plugin wrote to be called that way: a plain Python function (``types.FunctionType``: not a class, a builtin,
+    a bound method, a ``functools.partial`` or another callable object), defined at module level (its
+    ``__qualname__`` is a plain identifier, so no lambda, closure or method) and reachable under that name
+    (``module.<qualname> is obj``). With ``home``, its module must also lie in that top-level package (the
+    registering plugin's own).
+    """
+    name = f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', '?')}"
+    if type(obj) is not types.FunctionType:
+        kind = "a class" if isinstance(obj, type) else f"a {type(obj).__qualname__}"
+        raise PluginError(
+            f"safe global {name} is {kind}, not a plain Python function: restricted loads call safe globals with "
+            f"arguments the stream chose, so declare a module-level rebuild function that validates them "
+            f"(zerocopy_pickle.validate) instead",
+            plugin=plugin or home or "?",
+        )
+    module, qualname = obj.__module__, obj.__qualname__
+    if not isinstance(module, str) or not qualname.isidentifier():
+        raise PluginError(
+            f"safe global {name} is not a module-level function (a lambda, a closure or a method); "
+            f"define it at the top level of a module of the plugin",
+            plugin=plugin or home or "?",
+        )
+    if getattr(sys.modules.get(module), qualname, None) is not obj:
+        raise PluginError(f"safe global {name} is not reachable as {module}.{qualname}", plugin=plugin or home or "?")
+    if home is not None and _top(module) != home:
+        raise PluginError(
+            f"safe global {name} is not in the plugin's own package {home!r}: a plugin may only declare its own "
+            f"rebuild functions as safe",
+            plugin=plugin or home,
+        )
+    return cast(types.FunctionType, obj)
+
+
+def _split_pair(item: str) -> tuple[str, str]:
+    module, sep, qualname = item.partition(":")
+    if not sep or not module or not qualname or not qualname.isidentifier() or module.startswith("."):
+        raise ArgumentError(
+            f"safe global {item!r} must have the form 'module:function' (a module-level function's name)"
+        )
+    return module, qualname
+
+
+def _global_pairs(
+    entries: Iterable[object], home: str | None = None, plugin: str | None = None
+) -> tuple[tuple[str, str], ...]:
+    """The ``(module, qualname)`` pairs of safe-global declarations, each checked (:func:`check_safe_global`);
+    strings and pairs are checked when first resolved (:meth:`Registry.resolve_safe_global`), and must name a
+    module of ``home`` already."""
     pairs = []
     for item in entries:
         if isinstance(item, str):
-            module, sep, qualname = item.partition(":")
-            if not sep or not module or not qualname:
-                raise ArgumentError(f"safe global {item!r} must have the form 'module:qualname'")
-            pairs.append((module, qualname))
+            pair = _split_pair(item)
         elif isinstance(item, tuple) and len(item) == 2 and all(isinstance(p, str) and p for p in item):
-            pairs.append((item[0], item[1]))
-        elif isinstance(getattr(item, "__module__", None), str) and isinstance(
-            getattr(item, "__qualname__", None), str
-        ):
-            pairs.append((item.__module__, item.__qualname__))  # type: ignore[attr-defined]
+            pair = _split_pair(f"{item[0]}:{item[1]}")
+        elif callable(item) or isinstance(item, type):
+            fn = check_safe_global(item, home, plugin=plugin)
+            pair = (fn.__module__, fn.__qualname__)
         else:
             raise ArgumentError(
-                f"safe globals must be classes, functions, 'module:qualname' strings or (module, qualname) "
+                f"safe globals must be module-level functions, 'module:function' strings or (module, function) "
                 f"tuples, not {item!r:.80}"
             )
+        if home is not None and _top(pair[0]) != home:
+            raise PluginError(
+                f"safe global {pair[0]}:{pair[1]} is not in the plugin's own package {home!r}: a plugin may only "
+                f"declare its own rebuild functions as safe",
+                plugin=home,
+            )
+        pairs.append(pair)
     return tuple(pairs)
 
 
@@ -139,6 +204,8 @@ class PluginInfo:
     safe_globals: tuple[tuple[str, str], ...] = ()
     patch_points: tuple[str, ...] = ()
     modules: tuple[str, ...] = ()
+    home: str | None = None
+    """Top-level package of the plugin's registration module: its safe globals must live there."""
 
 
 @dataclass
@@ -150,6 +217,7 @@ class _Pending:
     load_hook: Callable[[], None] | None = None
     patch_points: list[str] = field(default_factory=list)
     modules: list[str] = field(default_factory=list)
+    home: str | None = None  # top-level package of the plugin's registration module: where its safe globals live
 
 
 _current_plugin: contextvars.ContextVar[tuple[_Pending, str, str] | None] = contextvars.ContextVar(
@@ -178,13 +246,26 @@ class Registrar:
         clobber: bool = False,
     ) -> None:
         """Register ``reduce`` for ``target`` (see :func:`register_reducer`) as part of this plugin."""
-        reducer = self._registry._make(target, reduce, self.name, self.package, safe_globals)
+        reducer = self._registry._make(
+            target, reduce, self.name, self.package, _global_pairs(safe_globals, self._pending.home, self.name)
+        )
         self._registry._check_clobber(reducer, clobber, self._pending)
         self._pending.reducers.append(reducer)
 
     def add_safe_globals(self, *entries: object) -> None:
-        """Declare globals this plugin's streams reference, allowed in every restricted load."""
-        self._pending.safe_globals.extend(_global_pairs(entries))
+        """Declare functions this plugin's streams call, allowed in restricted loads of snapshots whose header
+        names this plugin.
+
+        Each entry is a module-level function of the plugin's own top-level package, or its ``"module:function"``
+        string or ``(module, function)`` pair (checked when first resolved). Each must validate its arguments
+        before doing anything with them (docs/plugins.md; :func:`zerocopy_pickle.testing.check_hostile_arguments`).
+
+        Raises:
+            PluginError: an entry is a class, builtin, method, lambda, closure or other callable, or lies outside
+                the plugin's package.
+            ArgumentError: a malformed string entry.
+        """
+        self._pending.safe_globals.extend(_global_pairs(entries, self._pending.home, self.name))
 
     def set_load_hook(self, hook: Callable[[], None]) -> None:
         """Run ``hook()`` before unpickling any snapshot whose header lists this plugin."""
@@ -203,7 +284,9 @@ class Registrar:
 
     def add_patch_point(self, target: str) -> None:
         """Name a callable the model cache should route through itself (``"module:Class.from_pretrained"``)."""
-        _global_pairs([target])  # validates the 'module:qualname' form
+        module, sep, qualname = target.partition(":") if isinstance(target, str) else ("", "", "")
+        if not sep or not module or not qualname:
+            raise ArgumentError(f"a patch point must have the form 'module:qualname', not {target!r:.80}")
         self._pending.patch_points.append(target)
 
 
@@ -221,12 +304,17 @@ class Registry:
     # -- reducers --------------------------------------------------------------------------------------------
 
     def _make(
-        self, target: object, reduce: ReduceFunction, plugin: str | None, package: str | None, safe: Iterable[object]
+        self,
+        target: object,
+        reduce: ReduceFunction,
+        plugin: str | None,
+        package: str | None,
+        safe: tuple[tuple[str, str], ...],
     ) -> Reducer:
         key, cls = _target_key(target)
         if not callable(reduce):
             raise ArgumentError(f"reduce must be callable, not {reduce!r:.80}")
-        return Reducer(key, reduce, plugin, package, _global_pairs(safe), cls)
+        return Reducer(key, reduce, plugin, package, safe, cls)
 
     def _check_clobber(self, reducer: Reducer, clobber: bool, pending: _Pending | None = None) -> None:
         existing = self._reducers.get(reducer.target)
@@ -259,7 +347,7 @@ class Registry:
         if name is not None:
             info = self._plugins.get(name)
             package = info.package if info is not None else name
-        reducer = self._make(target, reduce, name, package, safe_globals)
+        reducer = self._make(target, reduce, name, package, _global_pairs(safe_globals, None, name))
         with self._lock:
             self._check_clobber(reducer, clobber)
             self._commit_reducers([reducer])
@@ -310,16 +398,65 @@ class Registry:
         self.ensure_discovered()
         return types.MappingProxyType(dict(self._plugins))
 
-    def safe_globals(self) -> dict[tuple[str, str], None]:
-        """Every safe global declared by an enabled plugin or a reducer (resolved by name when used)."""
+    def safe_globals(self, plugins: Iterable[str] | None = None) -> dict[tuple[str, str], None]:
+        """The safe globals a restricted load may resolve besides the built-in set and its ``allow=``.
+
+        Args:
+            plugins: the names of the plugins a snapshot's header lists: only those plugins' declarations (their
+                ``add_safe_globals`` and their reducers' ``safe_globals=``) are returned, so that an installed
+                plugin a snapshot does not name opens nothing to it. None: every enabled plugin's (the old form).
+                Reducers registered in-process without a plugin name (``zp.register_reducer(...)`` without
+                ``name=``) are the running program's own declarations, which no header can name: theirs are always
+                included.
+
+        Each pair names a function checked at registration or, for a ``"module:function"`` string, when first
+        resolved through :meth:`resolve_safe_global`.
+        """
         self.ensure_discovered()
+        wanted = None if plugins is None else _names(plugins)
         pairs: dict[tuple[str, str], None] = {}
         for info in self._plugins.values():
-            if info.state in ("loaded", "registered"):
+            if info.state in ("loaded", "registered") and (wanted is None or info.name in wanted):
                 pairs.update(dict.fromkeys(info.safe_globals))
         for reducer in self._reducers.values():
-            pairs.update(dict.fromkeys(reducer.safe_globals))
+            if wanted is None or reducer.plugin is None or reducer.plugin in wanted:
+                pairs.update(dict.fromkeys(reducer.safe_globals))
         return pairs
+
+    def resolve_safe_global(
+        self, module: str, qualname: str, plugins: Iterable[str] | None = None
+    ) -> types.FunctionType:
+        """The function a declared safe global names, imported (its module belongs to the declaring plugin) and
+        checked with :func:`check_safe_global`: what a restricted load calls for ``(module, qualname)``.
+
+        Raises:
+            PluginError: the pair is not declared by ``plugins`` (see :meth:`safe_globals`), its module cannot be
+                imported, or it does not name a plain module-level function of the declaring plugin's package.
+        """
+        pair = (module, qualname)
+        if pair not in self.safe_globals(plugins):
+            raise PluginError(f"{module}:{qualname} is not a declared safe global", plugin="?")
+        owner = self._owner_of(pair)
+        try:
+            imported = importlib.import_module(module)
+        except Exception as e:
+            raise PluginError(
+                f"safe global {module}:{qualname} cannot be imported: {type(e).__name__}: {e}", plugin=owner or "?"
+            ) from e
+        obj = imported.__dict__.get(qualname)
+        home = None
+        if owner is not None and owner in self._plugins:
+            home = self._plugins[owner].home
+        return check_safe_global(obj, home, plugin=owner)
+
+    def _owner_of(self, pair: tuple[str, str]) -> str | None:
+        for info in self._plugins.values():
+            if pair in info.safe_globals:
+                return info.name
+        for reducer in self._reducers.values():
+            if pair in reducer.safe_globals:
+                return reducer.plugin
+        return None
 
     def module_claims(self) -> tuple[tuple[str, PluginInfo], ...]:
         """``(module prefix, plugin)`` for every module prefix an enabled plugin claims."""
@@ -355,7 +492,9 @@ class Registry:
             PluginError: ``register`` raised; nothing it registered is kept.
         """
         with self._lock:
-            info = self._load_plugin(name, package or name, lambda: register, warn=False)
+            module = getattr(register, "__module__", None)
+            home = _top(module) if isinstance(module, str) else None
+            info = self._load_plugin(name, package or name, lambda: register, warn=False, home=home)
             if info.state == "failed":
                 raise PluginError(f"plugin {name!r} failed to register: {info.error}", plugin=name, package=package)
             info.state = "registered"
@@ -386,7 +525,7 @@ class Registry:
                 if "*" in disabled or name in disabled:
                     self._plugins[name] = PluginInfo(name, package, "disabled")
                     continue
-                self._load_plugin(name, package, entry_point.load, warn=True)
+                self._load_plugin(name, package, entry_point.load, warn=True, home=_top(entry_point.module))
 
     def rediscover(self) -> None:
         """Forget entry-point plugins and scan the group again (after installing one at run time)."""
@@ -396,8 +535,10 @@ class Registry:
                     self.remove_plugin(name)
             self._discovered = not self._discover
 
-    def _load_plugin(self, name: str, package: str, load: Callable[[], Any], *, warn: bool) -> PluginInfo:
-        pending = _Pending()
+    def _load_plugin(
+        self, name: str, package: str, load: Callable[[], Any], *, warn: bool, home: str | None = None
+    ) -> PluginInfo:
+        pending = _Pending(home=home)
         token = _current_plugin.set((pending, name, package))
         try:
             target = load()
@@ -429,16 +570,24 @@ class Registry:
             safe_globals=tuple(pending.safe_globals),
             patch_points=tuple(pending.patch_points),
             modules=tuple(pending.modules),
+            home=pending.home,
         )
         self._plugins[name] = info
         self._commit_reducers(pending.reducers)
         return info
 
-    def prepare_load(self, plugins: Iterable[tuple[str, str]]) -> None:
-        """Make sure every plugin a snapshot needs is loaded, and run their load hooks.
+    def prepare_load(self, plugins: Iterable[tuple[str, str]], *, trusted: bool = False) -> None:
+        """Make sure every plugin a snapshot needs is installed and loaded; in a trusted load, run their load hooks.
+
+        A restricted load (``trusted=False``, the default) only checks presence: the plugins named in a header
+        an attacker may have written are looked up (discovery imports their registration modules, as any load
+        does), but no load hook runs, so nothing is imported or patched because the header says so. A snapshot
+        whose stream needs what a hook prepares (``dynamic-modules``' namespaces, ``stable-fast``'s operators)
+        then fails in the unpickler, as a global the restricted load refuses or cannot import; load it with
+        ``trusted=True`` (or run the plugin's preparation yourself first).
 
         Raises:
-            PluginError: a plugin is not installed, disabled, or failed to load.
+            PluginError: a plugin is not installed, disabled, or failed to load; or its load hook failed.
         """
         needed = list(plugins)
         if not needed:
@@ -466,15 +615,32 @@ class Registry:
                     plugin=name,
                     package=package,
                 )
-            if info.load_hook is not None:
+        if not trusted:
+            return
+        for name, package in needed:
+            hook = self._plugins[name].load_hook
+            if hook is not None:
                 try:
-                    info.load_hook()
+                    hook()
                 except Exception as e:
                     raise PluginError(
                         f"the load hook of plugin {name!r} failed: {type(e).__name__}: {e}",
                         plugin=name,
                         package=package,
                     ) from e
+
+
+def _names(plugins: Iterable[object]) -> frozenset[str]:
+    """Plugin names from names, ``(name, package)`` pairs or ``PluginRef``s (what a header holds)."""
+    names = set()
+    for item in plugins:
+        name = item if isinstance(item, str) else getattr(item, "name", None)
+        if name is None and isinstance(item, tuple) and item:
+            name = item[0]
+        if not isinstance(name, str):
+            raise ArgumentError(f"plugins must be plugin names, not {item!r:.80}")
+        names.add(name)
+    return frozenset(names)
 
 
 _DEFAULT = Registry()
@@ -505,12 +671,15 @@ def register_reducer(
         reduce: the reducing function.
         name: the plugin this reducer belongs to; snapshots that use it record the plugin, and loading them
             needs it. Inside a plugin's registration it defaults to that plugin.
-        safe_globals: globals the reduced stream references (its rebuild functions), allowed in restricted
-            loads: classes, functions, ``"module:qualname"`` strings or ``(module, qualname)`` tuples.
+        safe_globals: the functions the reduced stream calls, allowed in restricted loads: module-level Python
+            functions that validate their arguments (docs/plugins.md), or their ``"module:function"`` strings or
+            ``(module, function)`` tuples. With ``name``, only loads of snapshots whose header names that plugin
+            allow them; without, every restricted load in this process does.
         clobber: replace an existing registration for the same target instead of raising.
 
     Raises:
         ArgumentError: a malformed target or entry, or the target is taken and ``clobber`` is False.
+        PluginError: a safe global is not a plain module-level function (a class, builtin, method, lambda...).
     """
     _DEFAULT.register_reducer(target, reduce, name=name, safe_globals=safe_globals, clobber=clobber)
 

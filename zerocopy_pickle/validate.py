@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
@@ -30,11 +31,17 @@ __all__ = [
     "dtype_from_name",
     "expect",
     "expect_bool",
+    "expect_choice",
+    "expect_class",
+    "expect_float",
     "expect_int",
     "expect_int_tuple",
+    "expect_keys",
     "expect_optional",
+    "expect_optional_tensor",
     "expect_str",
     "expect_str_dict",
+    "expect_tensor",
     "fail",
 ]
 
@@ -141,6 +148,74 @@ def dtype_from_name(name: Any, where: str, what: str = "dtype") -> torch.dtype:
         return _dtypes()[name]
     except KeyError:
         fail(where, f"{what} {name!r} is not a torch dtype")
+
+
+def expect_choice(value: Any, choices: tuple[str, ...] | frozenset[str], where: str, what: str) -> str:
+    """An exact ``str`` that is one of ``choices`` (compared only after the exact-type check)."""
+    if type(value) is not str:
+        fail(where, f"{what} must be str, not {_type_name(value)}")
+    if value not in choices:
+        fail(where, f"{what} {value[:80]!r} is not one of {sorted(choices)}")
+    return value
+
+
+def expect_float(value: Any, where: str, what: str, lo: float = float("-inf"), hi: float = float("inf")) -> float:
+    """An exact ``float`` or ``int`` (not ``bool``), finite, in ``[lo, hi]``; returned as a float."""
+    if type(value) not in (float, int):
+        fail(where, f"{what} must be float, not {_type_name(value)}")
+    if type(value) is int and abs(value) > MAX_ELEMENTS:
+        fail(where, f"{what} {value} is out of range [{lo}, {hi}]")
+    number = float(value)
+    if not math.isfinite(number) or not lo <= number <= hi:
+        fail(where, f"{what} {number} is out of range [{lo}, {hi}]")
+    return number
+
+
+def expect_tensor(
+    value: Any,
+    where: str,
+    what: str,
+    *,
+    dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
+    dim: int | None = None,
+) -> torch.Tensor:
+    """An exact ``torch.Tensor`` (no subclass, no ``Parameter``: a subclass's ``__torch_function__`` would run on
+    every operation), optionally of ``dtype`` (one of them) and ``dim`` dimensions."""
+    if type(value) is not torch.Tensor:
+        fail(where, f"{what} must be a torch.Tensor, not {_type_name(value)}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if dtype is not None and value.dtype not in dtypes:
+        fail(where, f"{what} has dtype {value.dtype}, not {' or '.join(map(str, dtypes))}")
+    if dim is not None and value.dim() != dim:
+        fail(where, f"{what} has {value.dim()} dimensions, not {dim}")
+    return value
+
+
+def expect_optional_tensor(value: Any, where: str, what: str, **kwargs: Any) -> torch.Tensor | None:
+    """``None``, or what :func:`expect_tensor` accepts."""
+    return None if value is None else expect_tensor(value, where, what, **kwargs)
+
+
+def expect_class(value: Any, bases: type | tuple[type, ...], where: str, what: str) -> type:
+    """A class (its metaclass exactly ``type``, so no custom ``__subclasscheck__``/``__call__`` of a metaclass) that
+    has one of ``bases`` in its MRO. Only a class the caller's ``allow=`` (or the built-in safe set) let the stream
+    name can reach a safe global at all; this check keeps the function to the family it rebuilds."""
+    allowed = bases if isinstance(bases, tuple) else (bases,)
+    if type(value) is not type:
+        fail(where, f"{what} must be a class, not {_type_name(value)}")
+    if not any(base in value.__mro__ for base in allowed):
+        names = " or ".join(f"{b.__module__}.{b.__qualname__}" for b in allowed)
+        fail(where, f"{what} {value.__module__}.{value.__qualname__} is not a subclass of {names}")
+    return value
+
+
+def expect_keys(value: Any, allowed: frozenset[str] | tuple[str, ...], where: str, what: str) -> dict[str, Any]:
+    """An exact ``dict`` (or ``OrderedDict``) whose keys are exact ``str`` from ``allowed``."""
+    table = expect_str_dict(value, where, what, max_len=len(allowed))
+    unknown = sorted(key[:80] for key in table if key not in allowed)
+    if unknown:
+        fail(where, f"{what} has unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+    return table
 
 
 # -- the copy budget -------------------------------------------------------------------------------------------

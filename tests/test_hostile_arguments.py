@@ -1,0 +1,190 @@
+"""zerocopy_pickle.testing.check_hostile_arguments: it passes validating functions and catches each way a function
+can mishandle what a hostile stream gives it."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zerocopy_pickle as zp
+from zerocopy_pickle import validate
+from zerocopy_pickle.registry import default_registry
+from zerocopy_pickle.testing import check_hostile_arguments, hostile_values
+
+
+def checked(name: Any, shape: Any, values: Any = None) -> torch.Tensor:
+    where = "checked"
+    dtype = validate.dtype_from_name(name, where)
+    dims = validate.expect_int_tuple(shape, where, "shape", hi=64)
+    validate.expect_optional_tensor(values, where, "values")
+    return torch.zeros(dims, dtype=dtype)
+
+
+def no_arguments() -> list[int]:
+    return []
+
+
+def resolves_names(name: Any) -> Any:
+    if type(name) is not str:
+        validate.fail("resolves_names", "name must be str")
+    return getattr(torch, name)  # the hole the bitsandbytes quirk had
+
+
+def uses_isinstance(value: Any) -> Any:
+    if not isinstance(value, int):
+        validate.fail("uses_isinstance", "value must be int")
+    return value + 1  # an int subclass gets through, and its __add__... of the attacker's choosing
+
+
+def iterates(values: Any) -> int:
+    return sum(1 for _ in values)
+
+
+def calls(fn: Any) -> None:
+    if type(fn) is str:
+        validate.fail("calls", "fn must be callable")
+    fn()
+
+
+def compares_first(value: Any) -> None:
+    if value == "float16":  # __eq__ of a hostile object runs before any check
+        return
+    validate.fail("compares_first", "no")
+
+
+def returns_stdin(name: Any) -> Any:
+    validate.expect_choice(name, ("stdin",), "returns_stdin", "name")
+    return sys.stdin
+
+
+def test_validating_functions_pass() -> None:
+    check_hostile_arguments(checked, "checked")
+    check_hostile_arguments(no_arguments, "no_arguments")
+
+
+@pytest.mark.parametrize(
+    ("fn", "finding"),
+    [
+        (resolves_names, "not a ZeroCopyPickleError|shared object"),
+        (uses_isinstance, "not plain data|ran hostile methods"),
+        (iterates, "not a ZeroCopyPickleError|ran hostile methods|not plain data"),
+        (calls, "function called|ran hostile methods|not a ZeroCopyPickleError"),
+        (compares_first, "ran hostile methods"),
+        (returns_stdin, "shared object"),
+    ],
+)
+def test_mishandled_arguments_are_reported(fn: Any, finding: str) -> None:
+    with pytest.raises(AssertionError, match=finding):
+        check_hostile_arguments(fn, fn.__name__)
+
+
+def test_the_process_streams_are_restored_and_untouched() -> None:
+    streams = sys.stdin, sys.stdout, sys.stderr
+    with pytest.raises(AssertionError):
+        check_hostile_arguments(returns_stdin, "returns_stdin")
+    assert (sys.stdin, sys.stdout, sys.stderr) == streams
+
+
+def test_the_values_cover_the_attacks_of_the_review() -> None:
+    labels = [label for label, _ in hostile_values()]
+    for needed in ("'system'", "'__class__'", "'torch.float16'", "'os.system'", "int 2**63", "generator"):
+        assert any(needed.replace("2**63", str(2**63)) in label for label in labels), needed
+    values = [value for _, value in hostile_values()]
+    assert os.getcwd in values and sys.stdin in values
+    assert any(type(v) is not torch.Tensor and isinstance(v, torch.Tensor) for v in values)  # a tensor subclass
+
+
+def test_builtin_callables_without_a_signature_are_tried_at_every_arity() -> None:
+    with pytest.raises(AssertionError, match="hostile calls were mishandled"):
+        check_hostile_arguments(dict, "dict")  # dict(generator) iterates it, dict(x=...) ...
+
+
+# -- the quirks' safe globals, called by hostile streams through restricted loads ----------------------------------
+
+
+class Reduce:
+    """Pickles as ``func(*args)``: a stream that calls ``func`` with arguments of its choosing."""
+
+    def __init__(self, func: Any, *args: Any) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.func, self.args
+
+
+def _quirk_safe_globals() -> list[tuple[str, Any]]:
+    registry = default_registry()
+    found = []
+    for plugin in ("bitsandbytes", "runtime-objects", "torchscript", "stable-fast", "dynamic-modules"):
+        info = registry.plugins().get(plugin)
+        if info is None or info.state != "loaded":
+            continue
+        for module, name in registry.safe_globals(plugins=[plugin]):
+            if module.startswith("zerocopy_pickle_quirks."):
+                found.append((f"{module}:{name}", registry.resolve_safe_global(module, name, plugins=[plugin])))
+    return found
+
+
+@pytest.mark.parametrize("pair", _quirk_safe_globals(), ids=lambda pair: pair[0] if isinstance(pair, tuple) else "")
+def test_quirk_safe_globals_refuse_hostile_streams(pair: tuple[str, Any], tmp_path: Path) -> None:
+    """Every safe global a quirk declares, called by a restricted load's stream with each plain hostile value (the
+    attack strings, a sentinel path and a shell command naming it, huge ints, wrong types) at each position:
+    the load raises a SnapshotError or returns an object, nothing else; no sentinel file appears; stdin is not
+    read (it is a stand-in that records)."""
+    where, fn = pair
+    sentinel = tmp_path / "sentinel"
+    plain = [value for _, value in hostile_values() if _stream_safe(value)]
+    plain += [str(sentinel), f"touch {sentinel}", f"import os; os.system('touch {sentinel}')"]
+    arities = [n for n in range(7) if _bindable(fn, n)]
+    stdin = sys.stdin
+    sys.stdin = _ReadRecorder()  # type: ignore[assignment]
+    try:
+        for n in arities:
+            for position in range(n):
+                for value in plain:
+                    args = [None] * n
+                    args[position] = value
+                    data = zp.dumps(Reduce(fn, *args))
+                    with contextlib.suppress(zp.SnapshotError):  # or an object: genuine arguments
+                        zp.loads(data)
+            if n == 0:
+                zp.loads(zp.dumps(Reduce(fn)))
+        assert not sentinel.exists(), where
+        assert not sys.stdin.reads, where  # type: ignore[attr-defined]
+    finally:
+        sys.stdin = stdin
+
+
+class _ReadRecorder:
+    def __init__(self) -> None:
+        self.reads: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        self.reads.append(name)
+        raise AttributeError(name)
+
+
+def _stream_safe(value: Any) -> bool:
+    """Plain data a stream can carry by opcodes alone (no global a restricted load would refuse first)."""
+    if value is None or type(value) in (bool, int, float, str, bytes):
+        return True
+    if type(value) in (tuple, list):
+        return all(_stream_safe(v) for v in value)
+    if type(value) is dict:
+        return all(type(k) is str and _stream_safe(v) for k, v in value.items())
+    return False
+
+
+def _bindable(fn: Any, n: int) -> bool:
+    try:
+        inspect.signature(fn).bind(*([None] * n))
+    except TypeError:
+        return False
+    return True
