@@ -48,7 +48,6 @@ def test_plugin_reducer_used_in_this_process(example_plugins: InstalledPlugins) 
     assert calls == zcp_example_plugin.LOAD_HOOK_CALLS  # a restricted load runs no load hook
 
 
-@pytest.mark.xfail(reason="needs snapshot.py to pass trusted= to Registry.prepare_load", strict=False)
 def test_trusted_load_runs_the_load_hook(example_plugins: InstalledPlugins) -> None:
     import zcp_example_plugin
     import zcp_example_types

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,10 @@ import torch
 import zerocopy_pickle as zp
 from zerocopy_pickle import validate
 from zerocopy_pickle.registry import default_registry
+from zerocopy_pickle.safeglobals import safe_table
 from zerocopy_pickle.testing import check_hostile_arguments, hostile_values
+
+from .hostile_streams import as_snapshot
 
 
 def checked(name: Any, shape: Any, values: Any = None) -> torch.Tensor:
@@ -119,7 +123,7 @@ class Reduce:
         return self.func, self.args
 
 
-def _quirk_safe_globals() -> list[tuple[str, Any]]:
+def _quirk_safe_globals() -> list[tuple[str, Any, str]]:
     registry = default_registry()
     found = []
     for plugin in ("bitsandbytes", "runtime-objects", "torchscript", "stable-fast", "dynamic-modules"):
@@ -128,17 +132,41 @@ def _quirk_safe_globals() -> list[tuple[str, Any]]:
             continue
         for module, name in registry.safe_globals(plugins=[plugin]):
             if module.startswith("zerocopy_pickle_quirks."):
-                found.append((f"{module}:{name}", registry.resolve_safe_global(module, name, plugins=[plugin])))
+                fn = registry.resolve_safe_global(module, name, plugins=[plugin])
+                found.append((f"{module}:{name}", fn, plugin))
     return found
 
 
+def _naming(plugin: str, obj: object) -> bytes:
+    """A snapshot of ``obj`` (plain data and one call) whose header names ``plugin``, as the plugin's own
+    snapshots do: only the plugins a header names contribute safe globals to a restricted load."""
+    return as_snapshot(pickle.dumps(obj, protocol=5), plugins=[(plugin, "zerocopy-pickle")])
+
+
+def test_a_plugin_safe_global_needs_its_plugin_in_the_header() -> None:
+    """The same call is refused when the header does not name the plugin that declares the function."""
+    where, fn, plugin = _quirk_safe_globals()[0]
+    with pytest.raises(zp.RestrictedLoadError, match="not on this load's allow-list"):
+        zp.loads(as_snapshot(pickle.dumps(Reduce(fn), protocol=5)))
+    with contextlib.suppress(zp.SnapshotError):  # arity or arguments: refused by the function itself
+        zp.loads(_naming(plugin, Reduce(fn)))
+
+
+@pytest.mark.parametrize("pair", sorted(safe_table()), ids=lambda pair: f"{pair[0]}:{pair[1]}")
+def test_builtin_safe_globals_refuse_hostile_arguments(pair: tuple[str, str]) -> None:
+    """Every callable of the built-in safe set, called with hostile arguments (the conformance suite's checker)."""
+    entry = safe_table()[pair]
+    if entry.callable:
+        check_hostile_arguments(entry.value, f"{pair[0]}:{pair[1]}", random_tuples=100)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("pair", _quirk_safe_globals(), ids=lambda pair: pair[0] if isinstance(pair, tuple) else "")
-def test_quirk_safe_globals_refuse_hostile_streams(pair: tuple[str, Any], tmp_path: Path) -> None:
+def test_quirk_safe_globals_refuse_hostile_streams(pair: tuple[str, Any, str], tmp_path: Path) -> None:
     """Every safe global a quirk declares, called by a restricted load's stream with each plain hostile value (the
     attack strings, a sentinel path and a shell command naming it, huge ints, wrong types) at each position:
     the load raises a SnapshotError or returns an object, nothing else; no sentinel file appears; stdin is not
     read (it is a stand-in that records)."""
-    where, fn = pair
+    where, fn, plugin = pair
     sentinel = tmp_path / "sentinel"
     plain = [value for _, value in hostile_values() if _stream_safe(value)]
     plain += [str(sentinel), f"touch {sentinel}", f"import os; os.system('touch {sentinel}')"]
@@ -151,11 +179,10 @@ def test_quirk_safe_globals_refuse_hostile_streams(pair: tuple[str, Any], tmp_pa
                 for value in plain:
                     args = [None] * n
                     args[position] = value
-                    data = zp.dumps(Reduce(fn, *args))
                     with contextlib.suppress(zp.SnapshotError):  # or an object: genuine arguments
-                        zp.loads(data)
+                        zp.loads(_naming(plugin, Reduce(fn, *args)))
             if n == 0:
-                zp.loads(zp.dumps(Reduce(fn)))
+                zp.loads(_naming(plugin, Reduce(fn)))
         assert not sentinel.exists(), where
         assert not sys.stdin.reads, where  # type: ignore[attr-defined]
     finally:

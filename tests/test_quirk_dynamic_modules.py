@@ -213,10 +213,6 @@ def test_without_the_plugin_the_load_fails_naming_it(dumped: Dumped, snapshot: s
     assert "ZEROCOPY_PICKLE_DISABLE_PLUGINS disables" in proc.stdout
 
 
-WIRING = "needs snapshot.py to pass trusted= to Registry.prepare_load (hooks run only in trusted loads)"
-
-
-@pytest.mark.xfail(reason=WIRING, strict=False)
 def test_a_cache_without_the_module_fails_naming_the_cache(dumped: Dumped, tmp_path: Path) -> None:
     empty = tmp_path / "empty-cache"
     code = """
@@ -350,7 +346,6 @@ def test_hook_prefers_the_imported_librarys_constant(monkeypatch: pytest.MonkeyP
     assert list(sys.modules["transformers_modules"].__path__) == [str(cache / "transformers_modules")]
 
 
-@pytest.mark.xfail(reason=WIRING, strict=False)
 def test_dump_of_a_cached_class_records_the_plugin(tmp_path: Path) -> None:
     # Without any library: a class imported from a hand-made cache, in this process and in a fresh one.
     cache = tmp_path / "modules"

@@ -26,7 +26,7 @@ import os
 import pickle
 import threading
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -413,8 +413,14 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         if trusted:
             self.allow_list: AllowList | None = None
         else:
-            plugin_globals = _plugin_safe_globals(registry if registry is not None else default_registry(), plugins)
-            self.allow_list = AllowList(allow, extra=plugin_globals, storage_builder=self._storage_builder)
+            registry = registry if registry is not None else default_registry()
+            named = None if plugins is None else tuple(plugins)
+            self.allow_list = AllowList(
+                allow,
+                extra=registry.safe_globals(named),
+                storage_builder=self._storage_builder,
+                resolve_extra=lambda module, qualname: registry.resolve_safe_global(module, qualname, named),
+            )
             data = file.read()
             self._stream = data if type(data) is bytes else bytes(data)
             file = io.BytesIO(self._stream)
@@ -461,11 +467,6 @@ class ZeroCopyUnpickler(pickle.Unpickler):
                 f"the stream needs {module}:{name}, which cannot be imported here ({e}); install the package "
                 f"that defines it"
             ) from e
-
-
-def _plugin_safe_globals(registry: Registry, plugins: Iterable[str] | None) -> Mapping[tuple[str, str], object]:
-    found: Mapping[tuple[str, str], object] = registry.safe_globals()
-    return found
 
 
 # Note [GC during loads]: unpickling a model creates thousands of container objects (modules, their dicts,

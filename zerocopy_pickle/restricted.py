@@ -34,14 +34,14 @@ import os
 import pickle
 import sys
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import rebuild, semantics
-from .errors import ArgumentError, RestrictedLoadError, SnapshotError
+from .errors import ArgumentError, PluginError, RestrictedLoadError, SnapshotError
 from .safeglobals import safe_table
 from .semantics import StreamUses
 from .streamcheck import walk_stream
@@ -260,15 +260,18 @@ class AllowList:
         allow: classes (matched by their ``__module__`` and ``__qualname__``; the stream may instantiate them
             and fill them with BUILD), other objects admitted as values, ``"module:qualname"`` strings,
             ``(module, qualname)`` tuples, and :func:`allow_function` entries for functions the stream may call.
-        extra: further pairs (plugins' declared safe globals), mapped to the resolved object or None to import
+        extra: further pairs (plugins' declared safe globals), mapped to the resolved object or None to resolve
             on first use. Each must be a plain function; the stream may call it.
         storage_builder: what ``zerocopy_pickle.rebuild:rebuild_storage`` resolves to in this load.
+        resolve_extra: how a pair of ``extra`` mapped to None is resolved (the registry's
+            :meth:`~zerocopy_pickle.registry.Registry.resolve_safe_global`, which imports and checks it); by default
+            it is imported and must be a plain function.
 
     Raises:
         ArgumentError: an entry is not one of the accepted forms.
     """
 
-    __slots__ = ("_allowed", "_extra", "_functions", "_resolved", "_safe", "_storage_builder")
+    __slots__ = ("_allowed", "_extra", "_functions", "_resolve_extra", "_resolved", "_safe", "_storage_builder")
 
     def __init__(
         self,
@@ -276,8 +279,10 @@ class AllowList:
         extra: Mapping[tuple[str, str], object | None] | None = None,
         *,
         storage_builder: object = None,
+        resolve_extra: Callable[[str, str], object] | None = None,
     ):
         self._safe = safe_table()
+        self._resolve_extra = resolve_extra
         self._extra: dict[tuple[str, str], object | None] = dict(extra) if extra else {}
         self._storage_builder = storage_builder
         allowed: dict[tuple[str, str], object | None] = {}
@@ -330,7 +335,12 @@ class AllowList:
             elif pair in self._extra:
                 obj = self._extra[pair]
                 if obj is None:
-                    obj = _resolve(*pair)
+                    try:
+                        obj = (self._resolve_extra or _resolve)(*pair)
+                    except PluginError as e:
+                        raise RestrictedLoadError(
+                            f"refusing to load global {format_global(pair)!r}: {e}", refused=pair
+                        ) from e
                 if is_blocked(pair, obj):
                     raise _blocked_error(pair)
                 if type(obj) is not types.FunctionType:

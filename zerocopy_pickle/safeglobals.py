@@ -539,29 +539,58 @@ def safe_device(kind: Any, index: Any = None) -> torch.device:
     """``torch.device(kind[, index])``: a device string and an optional index."""
     where = "torch:device"
     expect_str(kind, where, "type", max_len=64)
-    if index is None:
-        return torch.device(kind)
-    return torch.device(kind, expect_int(index, where, "index", hi=1 << 16))
+    if index is not None:
+        expect_int(index, where, "index", hi=1 << 16)
+    try:
+        return torch.device(kind) if index is None else torch.device(kind, index)
+    except RuntimeError as e:
+        fail(where, f"{kind!r:.60} is not a device: {e}")
 
 
 # -- containers and primitives -------------------------------------------------------------------------------------
 
 
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _plain(value: Any, where: str, what: str, depth: int = 0) -> None:
+    """Refuse anything but plain data: None, bools, numbers, strings, bytes and (shallow) tuples of them. What
+    these constructors receive in a real stream is that; anything else would have its ``__hash__`` or ``__eq__``
+    run (set members, dict keys) or would sit in a container pickle fills with its own opcodes anyway."""
+    if type(value) in _PLAIN:
+        return
+    if type(value) is tuple and depth < 8:
+        for item in value:
+            _plain(item, where, what, depth + 1)
+        return
+    fail(
+        where,
+        f"{what} must be plain data (None, numbers, strings, bytes, tuples of them), not {type(value).__qualname__}",
+    )
+
+
 def _items(value: Any, where: str) -> list[Any] | tuple[Any, ...]:
     items: list[Any] | tuple[Any, ...] = expect(value, (list, tuple), where, "iterable")
     charge(len(items), where)
+    for item in items:
+        _plain(item, where, "an item")
     return items
 
 
 def safe_ordered_dict(items: Any = ()) -> collections.OrderedDict[Any, Any]:
-    """``collections.OrderedDict([(key, value), ...])``: a list or tuple of pairs, or nothing."""
-    where = "collections:OrderedDict"
-    result: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-    for pair in _items(items, where):
+    """``collections.OrderedDict([(key, value), ...])``: pairs of plain data, or nothing (pickle fills an
+    OrderedDict with SETITEMS)."""
+    return collections.OrderedDict(_pairs(items, "collections:OrderedDict"))
+
+
+def _pairs(items: Any, where: str) -> list[tuple[Any, Any]]:
+    items = expect(items, (list, tuple), where, "items")
+    charge(len(items), where)
+    for pair in items:
         if type(pair) is not tuple or len(pair) != 2:
             fail(where, "items must be (key, value) tuples")
-        result[pair[0]] = pair[1]
-    return result
+        _plain(pair, where, "an item")
+    return list(items)
 
 
 _FACTORIES: dict[int, object] = {}
@@ -569,56 +598,67 @@ _FACTORIES: dict[int, object] = {}
 
 def safe_defaultdict(default_factory: Any = None, items: Any = ()) -> collections.defaultdict[Any, Any]:
     """``collections.defaultdict(factory)``: the factory must be one of the safe set's container or number
-    constructors (it runs whenever a missing key is read)."""
+    constructors (it runs whenever a missing key is read); pickle fills it with SETITEMS."""
     where = "collections:defaultdict"
     factory = None if default_factory is None else _FACTORIES.get(id(default_factory))
     if default_factory is not None and factory is None:
         fail(where, f"default_factory must be None or a safe container type, not {type(default_factory).__qualname__}")
     result: collections.defaultdict[Any, Any] = collections.defaultdict(factory)  # type: ignore[call-overload]
-    if items:
+    if type(items) is not tuple or items:  # anything but the default () must be a dict
         expect(items, (dict, collections.OrderedDict), where, "items")
-        charge(len(items), where)
-        result.update(items)
+        result.update(_pairs(list(items.items()), where))
     return result
 
 
 def safe_deque(iterable: Any = (), maxlen: Any = None) -> collections.deque[Any]:
-    """``collections.deque(items, maxlen)``: a list or tuple the stream built."""
+    """``collections.deque(items, maxlen)``: plain data (pickle fills a deque with APPENDS)."""
     where = "collections:deque"
-    return collections.deque(_items(iterable, where), expect_optional(maxlen, int, where, "maxlen"))
+    if maxlen is not None:
+        expect_int(maxlen, where, "maxlen")
+    return collections.deque(_items(iterable, where), maxlen)
 
 
 def safe_counter(counts: Any = None) -> collections.Counter[Any]:
-    """``collections.Counter(dict)``: counts from a dict the stream built."""
+    """``collections.Counter(dict)``: plain keys, int counts."""
     where = "collections:Counter"
     if counts is None:
         return collections.Counter()
     expect(counts, dict, where, "counts")
     charge(len(counts), where)
+    for key, count in counts.items():
+        _plain(key, where, "a key")
+        expect(count, int, where, "a count")
     return collections.Counter(counts)
 
 
 def safe_set(items: Any = ()) -> set[Any]:
-    """``set(items)`` (protocols below 4 pickle sets this way): a list or tuple the stream built."""
+    """``set(items)`` (protocols below 4 pickle sets this way): plain data."""
     return set(_items(items, "builtins:set"))
 
 
 def safe_frozenset(items: Any = ()) -> frozenset[Any]:
-    """``frozenset(items)``: a list or tuple the stream built."""
+    """``frozenset(items)``: plain data."""
     return frozenset(_items(items, "builtins:frozenset"))
 
 
 _NUMBER = (int, float, bool)
 
 
+def _convert(convert: Callable[[Any], Any], value: Any, where: str) -> Any:
+    try:
+        return convert(value)
+    except (ValueError, OverflowError) as e:
+        fail(where, f"cannot convert {value!r:.60}: {e}")
+
+
 def safe_int(value: Any = 0) -> int:
     """``int(x)`` for an int, float, bool or a decimal string (Python bounds its length)."""
-    return int(expect(value, (*_NUMBER, str), "builtins:int", "value"))
+    return int(_convert(int, expect(value, (*_NUMBER, str), "builtins:int", "value"), "builtins:int"))
 
 
 def safe_float(value: Any = 0.0) -> float:
     """``float(x)`` for an int, float, bool or string."""
-    return float(expect(value, (*_NUMBER, str), "builtins:float", "value"))
+    return float(_convert(float, expect(value, (*_NUMBER, str), "builtins:float", "value"), "builtins:float"))
 
 
 def safe_complex(real: Any = 0.0, imag: Any = 0.0) -> complex:

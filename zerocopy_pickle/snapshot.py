@@ -325,7 +325,9 @@ def _load_view(
             f"the pickle stream consumes {consumed} out-of-band buffer(s), the header declares {len(header.buffers)}"
         )
     check_targets(map_location, (entry.location for entry in header.buffers))
-    default_registry().prepare_load(header.plugins)
+    # Plugins' load hooks run only once trust is decided, and only for trusted loads: a hostile header must not
+    # make this process import or patch anything.
+    default_registry().prepare_load(header.plugins, trusted=trusted)
     if verify and not stable:
         buffers = integrity.copy_verified(header, view)  # later writes to the file cannot reach these
     else:
