@@ -28,7 +28,7 @@ from .. import arena
 from .._version import __version__
 from . import entries
 from .loader import argument_slots
-from .protocol import CacheError, ProtocolError, receive, runtime_dir, send, socket_path
+from .protocol import CacheError, ProtocolError, check_buffer_table, receive, runtime_dir, send, socket_path
 
 __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_result"]
 
@@ -350,6 +350,9 @@ def _fetch(request: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any
         header = {k: request[k] for k in ("key", "call", "describe", "refs")}
         reply, stream, fds = client.request({"op": "get", **header}, request["payload"], timeout=_timeout())
     try:
+        check_buffer_table(reply.get("buffers"), "the server's entry")
+        if not isinstance(reply.get("segments"), list) or len(reply["segments"]) != len(fds):
+            raise ProtocolError("the server's entry does not match the file descriptors it sent")
         mappings = entries.map_segments(reply["segments"], fds)
     finally:
         for fd in fds:

@@ -5,7 +5,9 @@ Messages are a JSON header, an optional binary payload, and file descriptors pas
     u32 header length | u32 payload length | header (UTF-8 JSON) | payload
 
 The file descriptors travel with the first ``sendmsg`` of a message, so the receiver's first ``recvmsg`` of
-that message collects them.
+that message collects them. Each kind of message has limits (:data:`REQUEST`, :data:`ENTRY`): the receiver
+checks the declared lengths and the number of fds against them before it allocates anything, and reads a body
+into a buffer that grows only as its bytes arrive.
 
 Who may talk to the server: the socket lives in a directory owned by the user, mode 0700 (other users cannot
 even reach it), and the server checks every connecting peer's credentials (``SO_PEERCRED``) against its own
@@ -23,14 +25,19 @@ import socket
 import stat
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ZeroCopyPickleError
 
 __all__ = [
+    "ENTRY",
+    "MAX_BUFFERS",
     "MAX_FDS",
+    "REQUEST",
     "CacheError",
+    "Limits",
     "ProtocolError",
     "peer_credentials",
     "receive",
@@ -41,8 +48,32 @@ __all__ = [
 
 DIR_ENV = "ZEROCOPY_PICKLE_CACHE_DIR"
 MAX_FDS = 250  # the kernel accepts at most 253 per SCM_RIGHTS message
-MAX_HEADER = 64 << 20
-MAX_PAYLOAD = 1 << 34
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one kind of message may carry: header bytes, payload bytes, file descriptors. A message over a
+    limit is refused before anything is allocated for it (a :class:`ProtocolError`; the connection is closed).
+    """
+
+    header: int
+    payload: int
+    fds: int
+
+
+REQUEST = Limits(header=1 << 20, payload=64 << 20, fds=0)
+"""A client's request: a key, the call's name, the keys it references (header) and the call's arguments,
+pickled with cached objects as references (payload). Clients never send file descriptors."""
+
+ENTRY = Limits(header=256 << 20, payload=4 << 30, fds=MAX_FDS)
+"""An entry and its kin (server to client, loader to server, server to loader): a buffer table of at most
+:data:`MAX_BUFFERS` rows, or a loader job with its deduplication index (header); pickle streams, which hold a
+model's Python objects but none of its tensor bytes (payload); segment fds."""
+
+MAX_BUFFERS = 1 << 20
+"""Rows (tensor storages) one entry may have; an entry also uses at most :data:`MAX_FDS` segments."""
+
+_CHUNK = 1 << 20  # a message body is read in pieces: memory grows with what arrived, never with what is claimed
 _PREFIX = struct.Struct("<II")
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -126,33 +157,42 @@ def send(
         sock.sendall(payload)
 
 
-def receive(sock: socket.socket) -> tuple[dict[str, Any], bytes, list[int]]:
+def receive(sock: socket.socket, limits: Limits = ENTRY) -> tuple[dict[str, Any], bytes, list[int]]:
     """Receive one message: ``(header, payload, fds)``. The caller owns (and must close) the fds.
 
+    The declared lengths are checked against ``limits`` before anything is allocated, and the body is read in
+    pieces, so memory grows only with the bytes that actually arrive: a peer cannot make the receiver reserve
+    gigabytes with a 12-byte message.
+
     Raises:
-        ProtocolError: the peer hung up mid-message, or sent something malformed.
+        ProtocolError: the peer hung up mid-message, sent something malformed, or declared a message (or sent
+            more file descriptors) beyond ``limits``. The connection is then out of step: close it.
         ConnectionError: the peer hung up before a message started (EOF).
     """
     fds: list[int] = []
     prefix = bytearray()
+    ancillary_size = socket.CMSG_SPACE(max(limits.fds, 1) * array.array("i").itemsize)
     try:
         while len(prefix) < _PREFIX.size:
-            data, ancillary, _, _ = sock.recvmsg(
-                _PREFIX.size - len(prefix), socket.CMSG_LEN(MAX_FDS * array.array("i").itemsize)
-            )
+            data, ancillary, flags, _ = sock.recvmsg(_PREFIX.size - len(prefix), ancillary_size)
             for level, kind, cmsg in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     received = array.array("i")
                     received.frombytes(cmsg[: len(cmsg) - len(cmsg) % received.itemsize])
                     fds.extend(received)
+            if flags & socket.MSG_CTRUNC or len(fds) > limits.fds:
+                raise ProtocolError(f"the peer sent more file descriptors than the {limits.fds} a message may carry")
             if not data:
                 if prefix or fds:
                     raise ProtocolError("the peer hung up in the middle of a message")
                 raise ConnectionError("the peer closed the connection")
             prefix += data
         header_nbytes, payload_nbytes = _PREFIX.unpack(prefix)
-        if header_nbytes > MAX_HEADER or payload_nbytes > MAX_PAYLOAD:
-            raise ProtocolError(f"message sizes {header_nbytes}/{payload_nbytes} exceed the protocol's limits")
+        if header_nbytes > limits.header or payload_nbytes > limits.payload:
+            raise ProtocolError(
+                f"the peer declared a message of {header_nbytes} header and {payload_nbytes} payload bytes; this "
+                f"kind of message may have at most {limits.header} and {limits.payload}: refused"
+            )
         blob = _receive_exactly(sock, header_nbytes)
         payload = _receive_exactly(sock, payload_nbytes)
         try:
@@ -169,12 +209,36 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], bytes, list[int]]:
 
 
 def _receive_exactly(sock: socket.socket, nbytes: int) -> bytes:
-    buffer = bytearray(nbytes)
-    view = memoryview(buffer)
+    """Read ``nbytes`` into a buffer that grows (geometrically) with what has arrived, not with ``nbytes``."""
+    buffer = bytearray(min(nbytes, _CHUNK))
     got = 0
     while got < nbytes:
-        n = sock.recv_into(view[got:], nbytes - got)
+        if got == len(buffer):
+            buffer.extend(bytes(min(len(buffer), nbytes - len(buffer))))
+        with memoryview(buffer) as view:
+            n = sock.recv_into(view[got:], len(buffer) - got)
         if n == 0:
             raise ProtocolError(f"the peer hung up {nbytes - got} bytes before the end of a message")
         got += n
     return bytes(buffer)
+
+
+def check_buffer_table(rows: Any, what: str = "an entry") -> list[list[Any]]:
+    """``rows`` if it is a buffer table (``[segment, offset, nbytes, location, digest]`` rows, at most
+    :data:`MAX_BUFFERS` of them, integers where integers belong).
+
+    Raises:
+        ProtocolError: it is not.
+    """
+    if not isinstance(rows, list) or len(rows) > MAX_BUFFERS:
+        raise ProtocolError(f"{what} has a buffer table that is not a list of at most {MAX_BUFFERS} rows")
+    for row in rows:
+        if not (
+            isinstance(row, list)
+            and len(row) == 5
+            and all(type(v) is int for v in row[:3])
+            and row[1] >= 0
+            and row[2] >= 0
+        ):
+            raise ProtocolError(f"{what} has a malformed buffer table row: {str(row)[:200]}")
+    return rows

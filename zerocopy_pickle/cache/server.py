@@ -24,7 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .protocol import MAX_FDS, CacheError, ProtocolError, peer_credentials, receive, runtime_dir, send
+from .protocol import (
+    MAX_FDS,
+    REQUEST,
+    CacheError,
+    ProtocolError,
+    check_buffer_table,
+    peer_credentials,
+    receive,
+    runtime_dir,
+    send,
+)
 from .store import Entry, Store
 
 __all__ = ["Server", "serve"]
@@ -203,8 +213,12 @@ class Server:
                 return
             while not self.stopping.is_set():
                 try:
-                    header, payload, fds = receive(conn)
-                except (ConnectionError, ProtocolError, OSError):
+                    header, payload, fds = receive(conn, REQUEST)
+                except ProtocolError as e:  # out of step (or a hostile peer): say why, and hang up
+                    with contextlib.suppress(OSError):
+                        send(conn, {"ok": False, "error": f"protocol error: {e}"})
+                    return
+                except (ConnectionError, OSError):
                     return
                 for fd in fds:  # clients never send fds
                     os.close(fd)
@@ -215,6 +229,9 @@ class Server:
                 except CacheError as e:
                     with contextlib.suppress(OSError):
                         send(conn, {"ok": False, "error": str(e)})
+                except (KeyError, TypeError, ValueError) as e:  # a malformed request: refuse it, serve on
+                    with contextlib.suppress(OSError):
+                        send(conn, {"ok": False, "error": f"malformed request ({type(e).__name__}: {e})"})
 
     def _dispatch(self, conn: socket.socket, header: dict[str, Any], payload: bytes) -> None:
         op = header.get("op")
@@ -322,6 +339,12 @@ class Server:
             for fd in fds:
                 os.close(fd)
             raise CacheError(f"loading failed in the cache's loader: {reply.get('error')}")
+        try:
+            check_buffer_table(reply.get("buffers"), "the loader's entry")
+        except ProtocolError:
+            for fd in fds:
+                os.close(fd)
+            raise
         self._teach_zygote([str(name) for name in reply.get("imported", [])])
         timings = {str(k): float(v) for k, v in reply.get("timings", {}).items()}
         timings["server"] = time.monotonic() - started
