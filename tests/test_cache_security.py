@@ -3,15 +3,26 @@ prepared or changed, and a server or loader started in a directory holding someo
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import pickle
+import shutil
 import socket
+import stat
 import struct
+import tempfile
 import threading
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from zerocopy_pickle import arena
 from zerocopy_pickle.cache import protocol
+from zerocopy_pickle.cache.store import KEY_FILE, Entry, Store
+
+NOBODY = 65534
 
 # -- the wire ---------------------------------------------------------------------------------------------------
 
@@ -64,3 +75,173 @@ def test_buffer_tables_are_checked() -> None:
     for bad in ({}, [[1, -1, 8, "cpu", None]], [[1, 0, "8", "cpu", None]], [[1, 0, 8]], [None]):
         with pytest.raises(protocol.ProtocolError):
             protocol.check_buffer_table(bad)
+
+
+# -- the persistence directory ----------------------------------------------------------------------------------
+
+
+def persisted_store(tmp_path: Path) -> tuple[Path, Path]:
+    """A persistence directory holding one entry ("a": b"hello" in one segment), and the key's directory."""
+    persist, keys = tmp_path / "persist", tmp_path / "keys"
+    keys.mkdir(mode=0o700, exist_ok=True)
+    store = Store(persist=persist, key_dir=keys)
+    fd = arena.create_memfd("test-segment")
+    os.write(fd, b"hello")
+    arena.seal(fd)
+    store.add(Entry("a", "call a", b"stream", [[0, 0, 5, "cpu", None]], []), fd)
+    store.close()
+    return persist, keys
+
+
+def test_the_persistence_directory_is_created_private(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    assert stat.S_IMODE(persist.stat().st_mode) == 0o700
+    for file in persist.iterdir():
+        assert stat.S_IMODE(file.stat().st_mode) == 0o600, file
+    key = keys / KEY_FILE
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and key.stat().st_size == 32
+    again = Store(persist=persist, key_dir=keys)  # the same key, read back: warm
+    assert list(again.entries) == ["a"] and again.cold_start is None
+    assert again.segments[1].kind == "memfd" and fcntl.fcntl(again.segments[1].fd, fcntl.F_GET_SEALS) & arena.SEALS
+    again.close()
+
+
+def test_a_symlinked_or_open_persistence_directory_is_refused(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    link = tmp_path / "link"
+    link.symlink_to(persist)
+    with pytest.raises(protocol.CacheError, match="not a plain directory"):
+        Store(persist=link, key_dir=keys)
+    os.chmod(persist, 0o770)
+    with pytest.raises(protocol.CacheError, match="chmod 700"):
+        Store(persist=persist, key_dir=keys)
+    os.chmod(persist, 0o700)
+
+
+def test_files_inside_are_not_followed(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    index = persist / "index.json"
+    real = tmp_path / "elsewhere.json"
+    index.rename(real)
+    index.symlink_to(real)  # a link to the right bytes is still refused
+    store = Store(persist=persist, key_dir=keys)
+    assert not store.entries and "cannot be opened as a plain file" in (store.cold_start or "")
+    store.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a directory another user owns")
+def test_a_persistence_directory_of_another_user_is_refused(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    os.chown(persist, NOBODY, NOBODY)
+    with pytest.raises(protocol.CacheError, match=f"belongs to uid {NOBODY}, not to you"):
+        Store(persist=persist, key_dir=keys)
+    os.chown(persist, 0, 0)
+    # And a file inside owned by someone else (a directory they could write to before it was made private).
+    os.chown(persist / "index.json", NOBODY, NOBODY)
+    store = Store(persist=persist, key_dir=keys)
+    assert not store.entries and "not a private regular file of yours" in (store.cold_start or "")
+    store.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
+def test_another_user_preparing_the_directory_runs_nothing(tmp_path: Path) -> None:
+    """A nobody process makes the persistence directory in a world-writable place, 0700, with an index whose
+    entry would run code: it is refused whatever the index holds."""
+    shared = Path(tempfile.mkdtemp(prefix="zcp-shared-"))  # like /tmp: anyone may make a directory in it
+    os.chmod(shared, 0o1777)
+    trap = shared / "persist"
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                trap.mkdir(mode=0o700)
+                (trap / "index.json").write_text("{}")
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        keys = tmp_path / "keys"
+        keys.mkdir(mode=0o700)
+        with pytest.raises(protocol.CacheError, match="not to you"):
+            Store(persist=trap, key_dir=keys)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def sentinel_stream(sentinel: Path) -> bytes:
+    """A pickle that creates ``sentinel`` when unpickled."""
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (Path.touch, (sentinel,))
+
+    return pickle.dumps(Payload())
+
+
+def rewrite_index(persist: Path, change: Any) -> None:
+    """Change the (valid JSON) body of the index, keeping its old authentication code."""
+    index = persist / "index.json"
+    outer = json.loads(index.read_text())
+    body = json.loads(outer["body"])
+    change(body)
+    outer["body"] = json.dumps(body)
+    index.write_text(json.dumps(outer))
+    os.chmod(index, 0o600)
+
+
+def test_a_tampered_index_starts_cold_and_nothing_is_unpickled(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    sentinel = tmp_path / "ran"
+
+    def plant(body: dict[str, Any]) -> None:
+        body["entries"][0]["stream"] = sentinel_stream(sentinel).hex()
+
+    rewrite_index(persist, plant)
+    store = Store(persist=persist, key_dir=keys)
+    assert not store.entries and not store.segments
+    assert "authentication code does not match" in (store.cold_start or "")
+    store.close()
+    assert not sentinel.exists()
+
+
+def test_an_index_without_its_key_starts_cold(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    (keys / KEY_FILE).unlink()
+    store = Store(persist=persist, key_dir=keys)
+    assert not store.entries and "persistence key" in (store.cold_start or "")
+    store.close()
+    other = tmp_path / "other-keys"
+    other.mkdir(mode=0o700)
+    store = Store(persist=persist, key_dir=other)  # another user's (or a fresh) key: the code does not match
+    assert not store.entries and store.cold_start
+    store.close()
+
+
+def test_a_tampered_segment_starts_cold(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    segment = persist / "segment-1.bin"
+    segment.write_bytes(b"HELLO")  # same size, other bytes
+    store = Store(persist=persist, key_dir=keys)
+    assert not store.entries and not store.segments
+    assert "does not match its digest" in (store.cold_start or "")
+    store.close()
+
+
+def test_a_failed_index_write_keeps_the_previous_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    persist, keys = persisted_store(tmp_path)
+    before = (persist / "index.json").read_bytes()
+    store = Store(persist=persist, key_dir=keys)
+
+    def full_disk(fd: int, pieces: Any) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(arena, "write_pieces", full_disk)
+    assert store.clear() == 1  # served from memory all the same
+    monkeypatch.undo()
+    assert (persist / "index.json").read_bytes() == before
+    assert not [p for p in persist.iterdir() if p.name.endswith(".tmp")]
+    store.close()

@@ -39,6 +39,8 @@ __all__ = [
     "CacheError",
     "Limits",
     "ProtocolError",
+    "check_buffer_table",
+    "open_private_directory",
     "peer_credentials",
     "receive",
     "runtime_dir",
@@ -87,10 +89,10 @@ class ProtocolError(CacheError):
 
 
 def runtime_dir(create: bool = True) -> Path:
-    """The per-user directory holding the server's socket (and its lock and log).
+    """The per-user directory holding the server's socket (and its lock, log and persistence key).
 
     ``$ZEROCOPY_PICKLE_CACHE_DIR`` if set, else ``$XDG_RUNTIME_DIR/zerocopy_pickle``, else
-    ``/tmp/zerocopy_pickle-<uid>``. Created with mode 0700.
+    ``/tmp/zerocopy_pickle-<uid>``. Created with mode 0700; checked by :func:`open_private_directory`.
 
     Raises:
         CacheError: the directory is a symlink, belongs to another user, or is accessible to others.
@@ -102,23 +104,56 @@ def runtime_dir(create: bool = True) -> Path:
         path = Path(os.environ["XDG_RUNTIME_DIR"]) / "zerocopy_pickle"
     else:
         path = Path(f"/tmp/zerocopy_pickle-{os.getuid()}")
+    os.close(open_private_directory(path, create=create, what="cache directory"))
+    return path
+
+
+def open_private_directory(path: Path, *, create: bool = True, what: str = "cache directory") -> int:
+    """An ``O_DIRECTORY`` fd of ``path`` (the caller closes it), after checking that nobody else can have
+    prepared or can change what is in it: a plain directory (not a symlink), owned by this user, without any
+    access for group or others. Created with mode 0700 (and missing parents) when ``create``.
+
+    The checks are made on the opened directory (``O_NOFOLLOW``), so a name swapped after the check is not
+    what gets used: open what is inside relative to the fd (``dir_fd=``).
+
+    Raises:
+        CacheError: the directory is missing (``create=False``), is a symlink or not a directory, belongs to
+            another user, or is accessible to others; the message says how to fix it.
+    """
     if create:
         with contextlib.suppress(FileExistsError):
             path.mkdir(mode=0o700, parents=True)
     try:
         info = os.lstat(path)
     except FileNotFoundError as e:
-        raise CacheError(f"the cache directory {path} does not exist") from e
+        raise CacheError(f"the {what} {path} does not exist") from e
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise CacheError(f"the cache directory {path} is not a plain directory: refusing to use it")
-    if info.st_uid != os.getuid():
-        raise CacheError(f"the cache directory {path} belongs to uid {info.st_uid}, not to you: refusing to use it")
-    if info.st_mode & 0o077:
         raise CacheError(
-            f"the cache directory {path} is accessible to other users (mode {stat.S_IMODE(info.st_mode):o}); "
-            f"it must be 0700: chmod 700 {path}"
+            f"the {what} {path} is not a plain directory (a symlink or a file): refusing to use it; "
+            "name a directory of your own instead"
         )
-    return path
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise CacheError(f"the {what} {path} cannot be opened as a plain directory ({e.strerror})") from e
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+            raise CacheError(f"the {what} {path} was replaced while it was being checked: refusing to use it")
+        if opened.st_uid != os.getuid():
+            raise CacheError(
+                f"the {what} {path} belongs to uid {opened.st_uid}, not to you (uid {os.getuid()}): refusing to "
+                "use it, since whoever owns it controls what is in it; name a directory of your own instead"
+            )
+        if opened.st_mode & 0o077:
+            raise CacheError(
+                f"the {what} {path} is accessible to other users (mode {stat.S_IMODE(opened.st_mode):o}); "
+                f"it must be 0700: chmod 700 {path}"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def socket_path(create: bool = True) -> Path:

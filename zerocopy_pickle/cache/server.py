@@ -71,7 +71,7 @@ class Server:
     ) -> None:
         self.path = path
         self.file_segments = file_segments
-        self.store = Store(max_bytes, persist)
+        self.store = Store(max_bytes, persist, key_dir=path.parent)
         self.loader_timeout = loader_timeout
         self.stopping = threading.Event()
         self._inflight: dict[str, _Inflight] = {}
