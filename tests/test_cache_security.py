@@ -3,6 +3,7 @@ prepared or changed, and a server or loader started in a directory holding someo
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -11,6 +12,8 @@ import shutil
 import socket
 import stat
 import struct
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -20,7 +23,11 @@ import pytest
 
 from zerocopy_pickle import arena
 from zerocopy_pickle.cache import protocol
+from zerocopy_pickle.cache.client import Client
 from zerocopy_pickle.cache.store import KEY_FILE, Entry, Store
+
+from .cache_helpers import ServerProcess, private_dir
+from .conftest import REPO
 
 NOBODY = 65534
 
@@ -245,3 +252,83 @@ def test_a_failed_index_write_keeps_the_previous_index(tmp_path: Path, monkeypat
     assert (persist / "index.json").read_bytes() == before
     assert not [p for p in persist.iterdir() if p.name.endswith(".tmp")]
     store.close()
+
+
+# -- a real server: where it and its loader import from, and a hostile peer ----------------------------------------
+
+WHERE_CLIENT = """
+import json, os, sys, warnings
+warnings.simplefilter("always")
+from zerocopy_pickle import cache
+cache.patch_all(["tests.cache_helpers:where_am_i"], autostart=True)
+from tests import cache_helpers
+result = cache_helpers.where_am_i(sys.argv[1])
+print(json.dumps({"sys_path": result["sys_path"], "cwd": result["cwd"], "sum": float(result["state"]["w"].sum()),
+                  "status": cache.status()}))
+"""
+
+
+@pytest.mark.slow
+def test_an_autostarted_server_and_its_loader_import_nothing_from_the_clients_directory(tmp_path: Path) -> None:
+    import torch
+
+    project = tmp_path / "project"  # the folder a client runs in, holding somebody's diffusers.py
+    project.mkdir()
+    sentinel = tmp_path / "diffusers-ran"
+    (project / "diffusers.py").write_text(f"open({str(sentinel)!r}, 'a').write(str(__import__('os').getpid()))\n")
+    torch.save({"w": torch.arange(10.0)}, project / "state.pt")
+    with private_dir() as directory:
+        env = {**os.environ, "ZEROCOPY_PICKLE_CACHE_DIR": str(directory), "PYTHONPATH": str(REPO),
+               "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", WHERE_CLIENT, "state.pt"],  # a relative path, resolved in the client's folder
+                capture_output=True, text=True, env=env, cwd=project, timeout=300,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr
+            result = json.loads(proc.stdout.splitlines()[-1])
+            assert result["sum"] == 45.0, proc.stderr
+            status = result["status"]
+            assert status["loader_ready"] and status["misses"] == 1 and len(status["entries"]) == 1, proc.stderr
+            # The zygote (and the server) run in the private runtime directory, and look for modules neither
+            # there nor in the client's folder; the loader child ran the call in the client's folder.
+            for pid in (status["pid"], status["loader_pid"]):
+                assert os.readlink(f"/proc/{pid}/cwd") == str(directory)
+            assert result["cwd"] == str(project)
+            assert "" not in result["sys_path"] and str(project) not in result["sys_path"]
+            assert str(directory) not in result["sys_path"]
+            assert str(REPO) in result["sys_path"]  # an explicit PYTHONPATH entry stays
+            assert not sentinel.exists(), sentinel.read_text()
+        finally:
+            with contextlib.suppress(Exception), Client(directory / "server.sock", timeout=30) as client:
+                client.request({"op": "stop"})
+
+
+@pytest.mark.slow
+def test_a_huge_declared_message_is_refused_without_allocating(tmp_path: Path) -> None:
+    psutil = pytest.importorskip("psutil")
+    with private_dir() as directory:
+        server = ServerProcess(directory)
+        try:
+            process = psutil.Process(server.pid)
+            before = process.memory_info().rss
+            sock_path = str(directory / "server.sock")
+            # 12 bytes claiming 2 GiB: refused with a protocol error, the connection closed.
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as hostile:
+                hostile.connect(sock_path)
+                hostile.sendall(struct.pack("<II", 2, 2 << 30) + b"{}  ")
+                reply, _, _ = protocol.receive(hostile)
+                assert reply["ok"] is False and "protocol error" in reply["error"] and "refused" in reply["error"]
+                with contextlib.suppress(ConnectionResetError):  # a reset: it hung up with bytes unread
+                    assert hostile.recv(1) == b""  # hung up
+            # Within the limits but never sent: nothing is reserved for what has not arrived.
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as slow:
+                slow.connect(sock_path)
+                slow.sendall(struct.pack("<II", 2, protocol.REQUEST.payload) + b"{}" + b"x" * 1000)
+                assert server.request("ping")["ok"]  # others are served meanwhile
+                growth = process.memory_info().rss - before
+                assert growth < protocol.REQUEST.payload // 4, growth
+            assert server.request("ping")["ok"]
+            assert process.memory_info().rss - before < protocol.REQUEST.payload // 4
+        finally:
+            server.stop()

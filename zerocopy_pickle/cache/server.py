@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .isolation import WORKDIR_ENV, child_environment, clean_sys_path
 from .protocol import (
     MAX_FDS,
     REQUEST,
@@ -58,6 +59,8 @@ class Server:
         loader_timeout: give up on a load after this many seconds (the client then loads directly).
         file_segments: let entries reference the checkpoint files a loader mapped and left untouched, instead of
             copying their bytes into memfds (``filebacked.py``).
+        workdir: what relative paths in requests resolve against (the loader's children run calls there); the
+            zygote itself runs in the socket's (private) directory. Default: the working directory.
     """
 
     def __init__(
@@ -68,8 +71,10 @@ class Server:
         persist: Path | None = None,
         loader_timeout: float = LOADER_TIMEOUT,
         file_segments: bool = True,
+        workdir: str | None = None,
     ) -> None:
         self.path = path
+        self.workdir = workdir if workdir is not None else os.getcwd()
         self.file_segments = file_segments
         self.store = Store(max_bytes, persist, key_dir=path.parent)
         self.loader_timeout = loader_timeout
@@ -145,11 +150,15 @@ class Server:
 
     def _start_zygote(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ, ZEROCOPY_PICKLE_CACHE_LOADER="1")
+        env = child_environment(
+            dict(os.environ, ZEROCOPY_PICKLE_CACHE_LOADER="1", **{WORKDIR_ENV: self.workdir}), cleaned=False
+        )
+        # Started in the private runtime directory: what Python puts first on its sys.path is only ours.
         self._zygote = subprocess.Popen(
             [sys.executable, "-m", "zerocopy_pickle.cache.loader", str(child.fileno())],
             pass_fds=[child.fileno()],
             env=env,
+            cwd=self.path.parent,
         )
         child.close()
         self._zygote_socket = parent
@@ -366,10 +375,19 @@ def serve(
     quiet: bool = False,
     copy_files: bool = False,
 ) -> None:
-    """Run a cache server in this process until it is stopped (``zerocopy-pickle stop`` or SIGTERM)."""
-    server = Server(
-        path or runtime_dir() / "server.sock", max_bytes=max_bytes, persist=persist, file_segments=not copy_files
-    )
+    """Run a cache server in this process until it is stopped (``zerocopy-pickle stop`` or SIGTERM).
+
+    The process's ``sys.path`` loses the entries that depend on where it was started, and its working directory
+    becomes the socket's private directory (see ``isolation.py``); relative paths in requests (and ``persist``)
+    still resolve against the directory it was started for.
+    """
+    workdir = os.environ.pop(WORKDIR_ENV, None) or os.getcwd()
+    clean_sys_path()
+    path = Path(os.path.abspath(path or runtime_dir() / "server.sock"))
+    if persist is not None:
+        persist = Path(workdir, persist)
+    os.chdir(path.parent)
+    server = Server(path, max_bytes=max_bytes, persist=persist, file_segments=not copy_files, workdir=workdir)
     server.bind()
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     if not quiet:
