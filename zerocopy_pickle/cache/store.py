@@ -572,7 +572,9 @@ def persistence_key(directory: Path | None = None) -> tuple[bytes, bool]:
                 return key, False
             key = secrets.token_bytes(_KEY_BYTES)
             try:
-                _write_file(dir_fd, KEY_FILE, lambda out, key=key: arena.write_pieces(out, [key]), replace=False)
+                _write_file(
+                    dir_fd, KEY_FILE, lambda out, key=key: arena.write_pieces(out, [key]), replace=False, sync=True
+                )
             except FileExistsError:
                 continue  # another server made one meanwhile: use that
             return key, True
@@ -617,16 +619,19 @@ def _open_private_file(dir_fd: int, name: str) -> int:
     return fd
 
 
-def _write_file(dir_fd: int, name: str, fill: Any, *, replace: bool = True) -> None:
+def _write_file(dir_fd: int, name: str, fill: Any, *, replace: bool = True, sync: bool = False) -> None:
     """Create ``name`` in the directory ``dir_fd`` whole, mode 0600, or not at all: written under a fresh
     temporary name (``O_EXCL | O_NOFOLLOW``), then renamed over ``name`` (or, without ``replace``, linked to it:
-    ``FileExistsError`` if it exists). A failed write leaves the previous file as it was."""
+    ``FileExistsError`` if it exists). A failed write leaves the previous file as it was. ``sync`` flushes the
+    data to disk before it gets its name (the key: losing it after a crash would cost every persisted entry; an
+    index or segment lost that way only means a cold start)."""
     temporary = f".{name}.{secrets.token_hex(6)}.tmp"
     out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
         try:
             fill(out)
-            os.fsync(out)
+            if sync:
+                os.fsync(out)
         finally:
             os.close(out)
         if replace:
