@@ -332,3 +332,31 @@ def test_a_huge_declared_message_is_refused_without_allocating(tmp_path: Path) -
             assert process.memory_info().rss - before < protocol.REQUEST.payload // 4
         finally:
             server.stop()
+
+
+def test_a_missing_segment_drops_only_its_entries(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    store = Store(persist=persist, key_dir=keys)
+    fd = arena.create_memfd("test-segment")
+    os.write(fd, b"world")
+    arena.seal(fd)
+    store.add(Entry("b", "call b", b"stream", [[0, 0, 5, "cpu", None]], []), fd)
+    store.close()
+    (persist / "segment-1.bin").unlink()  # a crash between deleting a segment and writing the index
+    again = Store(persist=persist, key_dir=keys)
+    assert list(again.entries) == ["b"] and again.cold_start is None
+    again.close()
+
+
+def test_the_start_directory_leaves_sys_path_but_explicit_entries_stay(tmp_path: Path) -> None:
+    code = (
+        "import json, os, sys; from zerocopy_pickle.cache.isolation import cleaned_path; "
+        "here = os.getcwd(); dash_m = [here, *[p for p in sys.path[1:] if p != here]]; "  # as Python makes it
+        "print(json.dumps([sys.path[0], cleaned_path(sys.path), cleaned_path(dash_m)]))"
+    )
+    for pythonpath, kept in ((str(REPO), False), (f"{REPO}{os.pathsep}{tmp_path}", True)):
+        env = {**os.environ, "PYTHONPATH": pythonpath}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+        first, cleaned, as_if_dash_m = json.loads(proc.stdout)
+        assert first == "" and "" not in cleaned and str(REPO) in cleaned  # -c: '' goes, PYTHONPATH stays
+        assert (str(tmp_path) in as_if_dash_m) is kept  # -m: the working directory goes unless named explicitly
