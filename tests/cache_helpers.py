@@ -141,3 +141,10 @@ def crash_in_loader(path: str) -> dict[str, Any]:
     if os.environ.get("ZEROCOPY_PICKLE_CACHE_LOADER"):
         os.kill(os.getpid(), signal.SIGKILL)
     return {"state": torch.load(path, weights_only=True)}
+
+
+def where_am_i(path: str) -> dict[str, Any]:
+    """Reads ``path`` (maybe relative) and says where the process running it looks for modules and files."""
+    import torch
+
+    return {"sys_path": list(sys.path), "cwd": os.getcwd(), "state": torch.load(path, weights_only=True)}

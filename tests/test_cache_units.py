@@ -98,15 +98,17 @@ def test_unsealed_segment_is_refused() -> None:
 
 
 def test_persistence_round_trip_and_damaged_directory(tmp_path: Path) -> None:
-    store = Store(persist=tmp_path)
+    persist, keys = tmp_path / "persist", tmp_path / "keys"
+    keys.mkdir(mode=0o700)
+    store = Store(persist=persist, key_dir=keys)
     store.add(entry("a", [(0, 0, 5)]), sealed_segment(b"hello"))
     store.close()
-    again = Store(persist=tmp_path)
+    again = Store(persist=persist, key_dir=keys)
     assert list(again.entries) == ["a"] and read_range(again, again.entries["a"].buffers[0]) == b"hello"
     again.close()
-    (tmp_path / "index.json").write_text("{not json")
-    cold = Store(persist=tmp_path)  # damaged: starts cold instead of failing
-    assert not cold.entries and not cold.segments
+    (persist / "index.json").write_text("{not json")
+    cold = Store(persist=persist, key_dir=keys)  # damaged: starts cold instead of failing
+    assert not cold.entries and not cold.segments and "damaged" in (cold.cold_start or "")
     cold.close()
 
 

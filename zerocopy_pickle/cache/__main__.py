@@ -2,6 +2,10 @@
 
 import sys
 
-from ..cli import main
+from .isolation import clean_sys_path
+
+clean_sys_path()  # before importing anything more: nothing from the directory this was started in
+
+from ..cli import main  # noqa: E402
 
 sys.exit(main(sys.argv[1:]))

@@ -6,6 +6,7 @@ cannot be keyed, :func:`cached_call` calls the original loader directly and warn
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -27,8 +28,9 @@ from typing import Any
 from .. import arena
 from .._version import __version__
 from . import entries
+from .isolation import WORKDIR_ENV, child_environment
 from .loader import argument_slots
-from .protocol import CacheError, ProtocolError, receive, runtime_dir, send, socket_path
+from .protocol import CacheError, ProtocolError, check_buffer_table, receive, runtime_dir, send, socket_path
 
 __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_result"]
 
@@ -284,14 +286,22 @@ def _timeout() -> float:
 
 def start_server_in_background(wait: float = 10.0) -> None:
     """Start ``zerocopy-pickle serve`` as a detached process and wait until it answers."""
-    log = runtime_dir() / "server.log"
+    directory = runtime_dir()
+    log = directory / "server.log"
+    env = dict(os.environ)
+    with contextlib.suppress(OSError):  # relative paths of requests resolve here, as if it ran here
+        env[WORKDIR_ENV] = os.getcwd()
     with open(log, "ab") as out:
+        # Started in the private runtime directory, not here: Python puts its start directory first on sys.path,
+        # and this one may hold anybody's modules (see isolation.py).
         subprocess.Popen(
             [sys.executable, "-m", "zerocopy_pickle.cache", "serve"],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=out,
             start_new_session=True,
+            cwd=directory,
+            env=child_environment(env, cleaned=False),
         )
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
@@ -350,6 +360,9 @@ def _fetch(request: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any
         header = {k: request[k] for k in ("key", "call", "describe", "refs")}
         reply, stream, fds = client.request({"op": "get", **header}, request["payload"], timeout=_timeout())
     try:
+        check_buffer_table(reply.get("buffers"), "the server's entry")
+        if not isinstance(reply.get("segments"), list) or len(reply["segments"]) != len(fds):
+            raise ProtocolError("the server's entry does not match the file descriptors it sent")
         mappings = entries.map_segments(reply["segments"], fds)
     finally:
         for fd in fds:

@@ -34,6 +34,7 @@ from typing import Any
 from .. import arena
 from ..registry import default_registry, resolve_name
 from . import entries, filebacked
+from .isolation import WORKDIR_ENV, clean_sys_path
 from .protocol import MAX_FDS, CacheError, receive, send
 
 __all__ = ["LEARNABLE", "PRELOAD", "argument_slots", "learnable", "patch_point_modules", "zygote_main"]
@@ -161,9 +162,12 @@ def run_job(header: dict[str, Any], payload: bytes, result: socket.socket, segme
             os.close(fd)
 
 
-def _child(header: dict[str, Any], payload: bytes, fds: list[int]) -> int:
+def _child(header: dict[str, Any], payload: bytes, fds: list[int], workdir: str | None) -> int:
     result = socket.socket(fileno=fds[0])
     try:
+        if workdir:  # relative paths of the call resolve where they always did (imports never look there)
+            with contextlib.suppress(OSError):
+                os.chdir(workdir)
         run_job(header, payload, result, fds[1:])
         return 0
     except BaseException as e:
@@ -175,7 +179,13 @@ def _child(header: dict[str, Any], payload: bytes, fds: list[int]) -> int:
 
 
 def zygote_main(control_fd: int) -> None:
-    """Import the model libraries, then fork a child for each job the server sends, until it hangs up."""
+    """Import the model libraries, then fork a child for each job the server sends, until it hangs up.
+
+    Nothing is imported from the directory the zygote was started in, nor from the server's: ``sys.path`` is
+    cleaned first (``isolation.py``), and the working directory is the private one the server started it in.
+    """
+    clean_sys_path()
+    workdir = os.environ.pop(WORKDIR_ENV, None)
     control = socket.socket(fileno=control_fd)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel: no zombies
     for name in PRELOAD:
@@ -207,7 +217,7 @@ def zygote_main(control_fd: int) -> None:
             try:
                 gc.disable()
                 control.close()
-                code = _child(header, payload, fds)
+                code = _child(header, payload, fds, workdir)
             finally:
                 os._exit(code)
         for fd in fds:

@@ -5,7 +5,9 @@ Messages are a JSON header, an optional binary payload, and file descriptors pas
     u32 header length | u32 payload length | header (UTF-8 JSON) | payload
 
 The file descriptors travel with the first ``sendmsg`` of a message, so the receiver's first ``recvmsg`` of
-that message collects them.
+that message collects them. Each kind of message has limits (:data:`REQUEST`, :data:`ENTRY`): the receiver
+checks the declared lengths and the number of fds against them before it allocates anything, and reads a body
+into a buffer that grows only as its bytes arrive.
 
 Who may talk to the server: the socket lives in a directory owned by the user, mode 0700 (other users cannot
 even reach it), and the server checks every connecting peer's credentials (``SO_PEERCRED``) against its own
@@ -23,15 +25,22 @@ import socket
 import stat
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ZeroCopyPickleError
 
 __all__ = [
+    "ENTRY",
+    "MAX_BUFFERS",
     "MAX_FDS",
+    "REQUEST",
     "CacheError",
+    "Limits",
     "ProtocolError",
+    "check_buffer_table",
+    "open_private_directory",
     "peer_credentials",
     "receive",
     "runtime_dir",
@@ -41,8 +50,32 @@ __all__ = [
 
 DIR_ENV = "ZEROCOPY_PICKLE_CACHE_DIR"
 MAX_FDS = 250  # the kernel accepts at most 253 per SCM_RIGHTS message
-MAX_HEADER = 64 << 20
-MAX_PAYLOAD = 1 << 34
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one kind of message may carry: header bytes, payload bytes, file descriptors. A message over a
+    limit is refused before anything is allocated for it (a :class:`ProtocolError`; the connection is closed).
+    """
+
+    header: int
+    payload: int
+    fds: int
+
+
+REQUEST = Limits(header=1 << 20, payload=64 << 20, fds=0)
+"""A client's request: a key, the call's name, the keys it references (header) and the call's arguments,
+pickled with cached objects as references (payload). Clients never send file descriptors."""
+
+ENTRY = Limits(header=256 << 20, payload=4 << 30, fds=MAX_FDS)
+"""An entry and its kin (server to client, loader to server, server to loader): a buffer table of at most
+:data:`MAX_BUFFERS` rows, or a loader job with its deduplication index (header); pickle streams, which hold a
+model's Python objects but none of its tensor bytes (payload); segment fds."""
+
+MAX_BUFFERS = 1 << 20
+"""Rows (tensor storages) one entry may have; an entry also uses at most :data:`MAX_FDS` segments."""
+
+_CHUNK = 1 << 20  # a message body is read in pieces: memory grows with what arrived, never with what is claimed
 _PREFIX = struct.Struct("<II")
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -56,10 +89,10 @@ class ProtocolError(CacheError):
 
 
 def runtime_dir(create: bool = True) -> Path:
-    """The per-user directory holding the server's socket (and its lock and log).
+    """The per-user directory holding the server's socket (and its lock, log and persistence key).
 
     ``$ZEROCOPY_PICKLE_CACHE_DIR`` if set, else ``$XDG_RUNTIME_DIR/zerocopy_pickle``, else
-    ``/tmp/zerocopy_pickle-<uid>``. Created with mode 0700.
+    ``/tmp/zerocopy_pickle-<uid>``. Created with mode 0700; checked by :func:`open_private_directory`.
 
     Raises:
         CacheError: the directory is a symlink, belongs to another user, or is accessible to others.
@@ -71,23 +104,56 @@ def runtime_dir(create: bool = True) -> Path:
         path = Path(os.environ["XDG_RUNTIME_DIR"]) / "zerocopy_pickle"
     else:
         path = Path(f"/tmp/zerocopy_pickle-{os.getuid()}")
+    os.close(open_private_directory(path, create=create, what="cache directory"))
+    return path
+
+
+def open_private_directory(path: Path, *, create: bool = True, what: str = "cache directory") -> int:
+    """An ``O_DIRECTORY`` fd of ``path`` (the caller closes it), after checking that nobody else can have
+    prepared or can change what is in it: a plain directory (not a symlink), owned by this user, without any
+    access for group or others. Created with mode 0700 (and missing parents) when ``create``.
+
+    The checks are made on the opened directory (``O_NOFOLLOW``), so a name swapped after the check is not
+    what gets used: open what is inside relative to the fd (``dir_fd=``).
+
+    Raises:
+        CacheError: the directory is missing (``create=False``), is a symlink or not a directory, belongs to
+            another user, or is accessible to others; the message says how to fix it.
+    """
     if create:
         with contextlib.suppress(FileExistsError):
             path.mkdir(mode=0o700, parents=True)
     try:
         info = os.lstat(path)
     except FileNotFoundError as e:
-        raise CacheError(f"the cache directory {path} does not exist") from e
+        raise CacheError(f"the {what} {path} does not exist") from e
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise CacheError(f"the cache directory {path} is not a plain directory: refusing to use it")
-    if info.st_uid != os.getuid():
-        raise CacheError(f"the cache directory {path} belongs to uid {info.st_uid}, not to you: refusing to use it")
-    if info.st_mode & 0o077:
         raise CacheError(
-            f"the cache directory {path} is accessible to other users (mode {stat.S_IMODE(info.st_mode):o}); "
-            f"it must be 0700: chmod 700 {path}"
+            f"the {what} {path} is not a plain directory (a symlink or a file): refusing to use it; "
+            "name a directory of your own instead"
         )
-    return path
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise CacheError(f"the {what} {path} cannot be opened as a plain directory ({e.strerror})") from e
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+            raise CacheError(f"the {what} {path} was replaced while it was being checked: refusing to use it")
+        if opened.st_uid != os.getuid():
+            raise CacheError(
+                f"the {what} {path} belongs to uid {opened.st_uid}, not to you (uid {os.getuid()}): refusing to "
+                "use it, since whoever owns it controls what is in it; name a directory of your own instead"
+            )
+        if opened.st_mode & 0o077:
+            raise CacheError(
+                f"the {what} {path} is accessible to other users (mode {stat.S_IMODE(opened.st_mode):o}); "
+                f"it must be 0700: chmod 700 {path}"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def socket_path(create: bool = True) -> Path:
@@ -126,33 +192,42 @@ def send(
         sock.sendall(payload)
 
 
-def receive(sock: socket.socket) -> tuple[dict[str, Any], bytes, list[int]]:
+def receive(sock: socket.socket, limits: Limits = ENTRY) -> tuple[dict[str, Any], bytes, list[int]]:
     """Receive one message: ``(header, payload, fds)``. The caller owns (and must close) the fds.
 
+    The declared lengths are checked against ``limits`` before anything is allocated, and the body is read in
+    pieces, so memory grows only with the bytes that actually arrive: a peer cannot make the receiver reserve
+    gigabytes with a 12-byte message.
+
     Raises:
-        ProtocolError: the peer hung up mid-message, or sent something malformed.
+        ProtocolError: the peer hung up mid-message, sent something malformed, or declared a message (or sent
+            more file descriptors) beyond ``limits``. The connection is then out of step: close it.
         ConnectionError: the peer hung up before a message started (EOF).
     """
     fds: list[int] = []
     prefix = bytearray()
+    ancillary_size = socket.CMSG_SPACE(max(limits.fds, 1) * array.array("i").itemsize)
     try:
         while len(prefix) < _PREFIX.size:
-            data, ancillary, _, _ = sock.recvmsg(
-                _PREFIX.size - len(prefix), socket.CMSG_LEN(MAX_FDS * array.array("i").itemsize)
-            )
+            data, ancillary, flags, _ = sock.recvmsg(_PREFIX.size - len(prefix), ancillary_size)
             for level, kind, cmsg in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     received = array.array("i")
                     received.frombytes(cmsg[: len(cmsg) - len(cmsg) % received.itemsize])
                     fds.extend(received)
+            if flags & socket.MSG_CTRUNC or len(fds) > limits.fds:
+                raise ProtocolError(f"the peer sent more file descriptors than the {limits.fds} a message may carry")
             if not data:
                 if prefix or fds:
                     raise ProtocolError("the peer hung up in the middle of a message")
                 raise ConnectionError("the peer closed the connection")
             prefix += data
         header_nbytes, payload_nbytes = _PREFIX.unpack(prefix)
-        if header_nbytes > MAX_HEADER or payload_nbytes > MAX_PAYLOAD:
-            raise ProtocolError(f"message sizes {header_nbytes}/{payload_nbytes} exceed the protocol's limits")
+        if header_nbytes > limits.header or payload_nbytes > limits.payload:
+            raise ProtocolError(
+                f"the peer declared a message of {header_nbytes} header and {payload_nbytes} payload bytes; this "
+                f"kind of message may have at most {limits.header} and {limits.payload}: refused"
+            )
         blob = _receive_exactly(sock, header_nbytes)
         payload = _receive_exactly(sock, payload_nbytes)
         try:
@@ -169,12 +244,36 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], bytes, list[int]]:
 
 
 def _receive_exactly(sock: socket.socket, nbytes: int) -> bytes:
-    buffer = bytearray(nbytes)
-    view = memoryview(buffer)
+    """Read ``nbytes`` into a buffer that grows (geometrically) with what has arrived, not with ``nbytes``."""
+    buffer = bytearray(min(nbytes, _CHUNK))
     got = 0
     while got < nbytes:
-        n = sock.recv_into(view[got:], nbytes - got)
+        if got == len(buffer):
+            buffer.extend(bytes(min(len(buffer), nbytes - len(buffer))))
+        with memoryview(buffer) as view:
+            n = sock.recv_into(view[got:], len(buffer) - got)
         if n == 0:
             raise ProtocolError(f"the peer hung up {nbytes - got} bytes before the end of a message")
         got += n
     return bytes(buffer)
+
+
+def check_buffer_table(rows: Any, what: str = "an entry") -> list[list[Any]]:
+    """``rows`` if it is a buffer table (``[segment, offset, nbytes, location, digest]`` rows, at most
+    :data:`MAX_BUFFERS` of them, integers where integers belong).
+
+    Raises:
+        ProtocolError: it is not.
+    """
+    if not isinstance(rows, list) or len(rows) > MAX_BUFFERS:
+        raise ProtocolError(f"{what} has a buffer table that is not a list of at most {MAX_BUFFERS} rows")
+    for row in rows:
+        if not (
+            isinstance(row, list)
+            and len(row) == 5
+            and all(type(v) is int for v in row[:3])
+            and row[1] >= 0
+            and row[2] >= 0
+        ):
+            raise ProtocolError(f"{what} has a malformed buffer table row: {str(row)[:200]}")
+    return rows

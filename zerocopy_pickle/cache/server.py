@@ -24,7 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .protocol import MAX_FDS, CacheError, ProtocolError, peer_credentials, receive, runtime_dir, send
+from .isolation import WORKDIR_ENV, child_environment, clean_sys_path
+from .protocol import (
+    MAX_FDS,
+    REQUEST,
+    CacheError,
+    ProtocolError,
+    check_buffer_table,
+    peer_credentials,
+    receive,
+    runtime_dir,
+    send,
+)
 from .store import Entry, Store
 
 __all__ = ["Server", "serve"]
@@ -48,6 +59,8 @@ class Server:
         loader_timeout: give up on a load after this many seconds (the client then loads directly).
         file_segments: let entries reference the checkpoint files a loader mapped and left untouched, instead of
             copying their bytes into memfds (``filebacked.py``).
+        workdir: what relative paths in requests resolve against (the loader's children run calls there); the
+            zygote itself runs in the socket's (private) directory. Default: the working directory.
     """
 
     def __init__(
@@ -58,10 +71,12 @@ class Server:
         persist: Path | None = None,
         loader_timeout: float = LOADER_TIMEOUT,
         file_segments: bool = True,
+        workdir: str | None = None,
     ) -> None:
         self.path = path
+        self.workdir = workdir if workdir is not None else os.getcwd()
         self.file_segments = file_segments
-        self.store = Store(max_bytes, persist)
+        self.store = Store(max_bytes, persist, key_dir=path.parent)
         self.loader_timeout = loader_timeout
         self.stopping = threading.Event()
         self._inflight: dict[str, _Inflight] = {}
@@ -135,11 +150,15 @@ class Server:
 
     def _start_zygote(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ, ZEROCOPY_PICKLE_CACHE_LOADER="1")
+        env = child_environment(
+            dict(os.environ, ZEROCOPY_PICKLE_CACHE_LOADER="1", **{WORKDIR_ENV: self.workdir}), cleaned=False
+        )
+        # Started in the private runtime directory: what Python puts first on its sys.path is only ours.
         self._zygote = subprocess.Popen(
             [sys.executable, "-m", "zerocopy_pickle.cache.loader", str(child.fileno())],
             pass_fds=[child.fileno()],
             env=env,
+            cwd=self.path.parent,
         )
         child.close()
         self._zygote_socket = parent
@@ -203,8 +222,12 @@ class Server:
                 return
             while not self.stopping.is_set():
                 try:
-                    header, payload, fds = receive(conn)
-                except (ConnectionError, ProtocolError, OSError):
+                    header, payload, fds = receive(conn, REQUEST)
+                except ProtocolError as e:  # out of step (or a hostile peer): say why, and hang up
+                    with contextlib.suppress(OSError):
+                        send(conn, {"ok": False, "error": f"protocol error: {e}"})
+                    return
+                except (ConnectionError, OSError):
                     return
                 for fd in fds:  # clients never send fds
                     os.close(fd)
@@ -215,6 +238,9 @@ class Server:
                 except CacheError as e:
                     with contextlib.suppress(OSError):
                         send(conn, {"ok": False, "error": str(e)})
+                except (KeyError, TypeError, ValueError) as e:  # a malformed request: refuse it, serve on
+                    with contextlib.suppress(OSError):
+                        send(conn, {"ok": False, "error": f"malformed request ({type(e).__name__}: {e})"})
 
     def _dispatch(self, conn: socket.socket, header: dict[str, Any], payload: bytes) -> None:
         op = header.get("op")
@@ -322,6 +348,12 @@ class Server:
             for fd in fds:
                 os.close(fd)
             raise CacheError(f"loading failed in the cache's loader: {reply.get('error')}")
+        try:
+            check_buffer_table(reply.get("buffers"), "the loader's entry")
+        except ProtocolError:
+            for fd in fds:
+                os.close(fd)
+            raise
         self._teach_zygote([str(name) for name in reply.get("imported", [])])
         timings = {str(k): float(v) for k, v in reply.get("timings", {}).items()}
         timings["server"] = time.monotonic() - started
@@ -343,10 +375,19 @@ def serve(
     quiet: bool = False,
     copy_files: bool = False,
 ) -> None:
-    """Run a cache server in this process until it is stopped (``zerocopy-pickle stop`` or SIGTERM)."""
-    server = Server(
-        path or runtime_dir() / "server.sock", max_bytes=max_bytes, persist=persist, file_segments=not copy_files
-    )
+    """Run a cache server in this process until it is stopped (``zerocopy-pickle stop`` or SIGTERM).
+
+    The process's ``sys.path`` loses the entries that depend on where it was started, and its working directory
+    becomes the socket's private directory (see ``isolation.py``); relative paths in requests (and ``persist``)
+    still resolve against the directory it was started for.
+    """
+    workdir = os.environ.pop(WORKDIR_ENV, None) or os.getcwd()
+    clean_sys_path()
+    path = Path(os.path.abspath(path or runtime_dir() / "server.sock"))
+    if persist is not None:
+        persist = Path(workdir, persist)
+    os.chdir(path.parent)
+    server = Server(path, max_bytes=max_bytes, persist=persist, file_segments=not copy_files, workdir=workdir)
     server.bind()
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     if not quiet:

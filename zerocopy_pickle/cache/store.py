@@ -15,7 +15,13 @@ into a new, smaller sealed memfd and repoints the entries. Clients that mapped t
 mapping; a load in flight that references the old ranges is repointed when its entry arrives.
 
 With a persistence directory, each segment is also written to a file and the entries to an index, so a
-restarted server starts warm. This module needs only the standard library (and ``zerocopy_pickle.format`` and
+restarted server starts warm. The directory must be private (:func:`protocol.open_private_directory`), its
+files are opened relative to it without following links, and the index is authenticated: an HMAC-SHA256, with
+a per-user key kept in the private runtime directory, over the index, which lists every segment's SHA-256. A
+restart verifies the code, then copies each segment into a new sealed memfd and checks its digest there, so what
+clients map is exactly what was persisted and can no longer change; anything amiss and the server starts cold,
+having unpickled nothing (nothing in the directory is ever unpickled by the server: entries' streams are bytes
+it hands to the user's own clients). This module needs only the standard library (and ``zerocopy_pickle.format`` and
 ``arena``, which need nothing else): the server never imports torch.
 """
 
@@ -23,9 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import hmac
 import json
+import logging
 import mmap
 import os
+import secrets
 import stat
 import threading
 import time
@@ -37,11 +47,21 @@ from typing import Any
 
 from .. import arena
 from ..format import align_up, buffer_alignment
-from .protocol import CacheError
+from .protocol import CacheError, check_buffer_table, open_private_directory, runtime_dir
 
-__all__ = ["Entry", "Segment", "Store"]
+__all__ = ["KEY_FILE", "Entry", "Segment", "Store", "persistence_key"]
 
 _INDEX = "index.json"
+_INDEX_VERSION = 2
+KEY_FILE = "persist.key"
+"""The persistence key's name in the runtime directory: 32 random bytes, mode 0600, one per user."""
+_KEY_BYTES = 32
+
+log = logging.getLogger("zerocopy_pickle.cache")
+
+
+class _ColdStart(Exception):
+    """The persistence directory cannot be trusted or read: start cold (the reason is logged)."""
 
 
 @dataclass
@@ -53,10 +73,11 @@ class Segment:
     fd: int
     nbytes: int
     users: int = 0
-    path: str | None = None  # the persisted copy of a memfd segment (deleted with the segment)
+    path: str | None = None  # the persisted copy of a memfd segment, in the persistence directory (deleted with it)
     kind: str = "memfd"
     source: str | None = None  # a file segment's path when it was adopted (for persistence and status)
     identity: tuple[int, ...] | None = None  # a file segment's device, inode, size, mtime and ctime (ns)
+    sha256: str | None = None  # a persisted memfd segment's digest (covered by the index's authentication code)
 
     def changed(self) -> bool:
         """Whether a file segment's file was modified since it was adopted (rewritten in place, truncated)."""
@@ -89,7 +110,19 @@ class Entry:
 class Store:
     """Entries and segments, with LRU eviction to ``max_bytes`` and optional persistence. Thread-safe."""
 
-    def __init__(self, max_bytes: int | None = None, persist: Path | None = None) -> None:
+    def __init__(
+        self, max_bytes: int | None = None, persist: Path | None = None, *, key_dir: Path | None = None
+    ) -> None:
+        """
+        Args:
+            max_bytes: evict least recently used entries to keep the memfd segments within this many bytes.
+            persist: keep segments and an index in this directory (private: see
+                :func:`protocol.open_private_directory`; created 0700), and start warm from it.
+            key_dir: where the persistence key lives (default: :func:`protocol.runtime_dir`).
+
+        Raises:
+            CacheError: the persistence directory, the runtime directory or the key in it is not private.
+        """
         self.lock = threading.RLock()
         self.max_bytes = max_bytes
         self.persist = persist
@@ -101,9 +134,14 @@ class Store:
         self.stale = 0
         self._next_segment = 1
         self._moved: dict[tuple[int, int], tuple[int, int]] = {}  # (segment, offset) -> where compaction put it
+        self._dir_fd = -1
+        self._key = b""
+        self.cold_start: str | None = None  # why a persistence directory was not used to start warm
         if persist is not None:
-            persist.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self._load_persisted()
+            key, created = persistence_key(key_dir)
+            self._dir_fd = open_private_directory(persist, what="persistence directory")
+            self._key = key
+            self._load_persisted(key_is_new=created)
 
     # -- lookups ------------------------------------------------------------------------------------------------
 
@@ -225,9 +263,15 @@ class Store:
             raise CacheError("a loader sent a segment that is not sealed")
         segment = Segment(self._next_segment, fd, os.fstat(fd).st_size)
         self._next_segment += 1
-        if self.persist is not None:
-            segment.path = str(self.persist / f"segment-{segment.id}.bin")
-            _copy_to_file(fd, segment.path, segment.nbytes)
+        if self._dir_fd >= 0:
+            name = f"segment-{segment.id}.bin"
+            try:
+                segment.sha256 = _digest(fd, segment.nbytes)
+                _write_file(self._dir_fd, name, lambda out: _send_all(out, fd, segment.nbytes))
+                segment.path = name
+            except OSError as e:  # the entry is served, just not persisted; the index on disk stays valid
+                segment.sha256 = None
+                log.warning("zerocopy_pickle cache: could not persist segment %d (%s)", segment.id, e)
         self.segments[segment.id] = segment
         return segment
 
@@ -265,9 +309,9 @@ class Store:
             self._moved = {k: v for k, v in self._moved.items() if v[0] != segment_id}
             segment = self.segments.pop(segment_id)
             os.close(segment.fd)
-            if segment.path is not None:
+            if segment.path is not None and self._dir_fd >= 0:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(segment.path)
+                    os.unlink(segment.path, dir_fd=self._dir_fd)
 
     def total_bytes(self) -> int:
         """The bytes of the cache's own segments (memfds): what ``max_bytes`` bounds. File segments are the
@@ -338,10 +382,16 @@ class Store:
 
     def close(self) -> None:
         with self.lock:
-            for segment in self.segments.values():
-                os.close(segment.fd)
-            self.segments.clear()
-            self.entries.clear()
+            self._forget_all()
+            if self._dir_fd >= 0:
+                os.close(self._dir_fd)
+                self._dir_fd = -1
+
+    def _forget_all(self) -> None:
+        for segment in self.segments.values():
+            os.close(segment.fd)
+        self.segments.clear()
+        self.entries.clear()
 
     def status(self) -> dict[str, Any]:
         with self.lock:
@@ -368,56 +418,246 @@ class Store:
                 "evictions": self.evictions,
                 "stale": self.stale,
                 "persist": str(self.persist) if self.persist else None,
+                "persist_cold_start": self.cold_start,
             }
 
     # -- persistence ----------------------------------------------------------------------------------------------
 
     def _save_index(self) -> None:
-        if self.persist is None:
+        """Write the index (authenticated) of the entries whose segments are all persisted. A failed write
+        leaves the previous index as it was, and the server goes on serving from memory."""
+        if self._dir_fd < 0:
             return
-        index = {
-            "version": 1,
-            "segments": [
-                {"id": s.id, "nbytes": s.nbytes, "kind": s.kind, "source": s.source, "identity": s.identity}
-                for s in self.segments.values()
-            ],
-            "entries": [{**asdict(e), "stream": e.stream.hex(), "args": e.args.hex()} for e in self.entries.values()],
+        saved = {
+            s.id: {
+                "id": s.id,
+                "nbytes": s.nbytes,
+                "kind": s.kind,
+                "source": s.source,
+                "identity": s.identity,
+                "sha256": s.sha256,
+            }
+            for s in self.segments.values()
+            if s.kind == "file" or s.sha256 is not None
         }
-        with arena.atomic_output(self.persist / _INDEX) as fd:
-            os.fchmod(fd, 0o600)
-            arena.write_pieces(fd, [json.dumps(index).encode()])
+        body = json.dumps(
+            {
+                "segments": list(saved.values()),
+                "entries": [
+                    {**asdict(e), "stream": e.stream.hex(), "args": e.args.hex()}
+                    for e in self.entries.values()
+                    if all(i in saved for i in e.segment_ids)
+                ],
+            }
+        )
+        mac = hmac.new(self._key, body.encode(), hashlib.sha256).hexdigest()
+        blob = json.dumps({"version": _INDEX_VERSION, "body": body, "hmac_sha256": mac}).encode()
+        try:
+            _write_file(self._dir_fd, _INDEX, lambda out: arena.write_pieces(out, [blob]))
+        except OSError as e:
+            log.warning("zerocopy_pickle cache: could not write the persistence index (%s); the previous one stays", e)
 
-    def _load_persisted(self) -> None:
-        assert self.persist is not None
-        path = self.persist / _INDEX
-        if not path.exists():
+    def _load_persisted(self, *, key_is_new: bool) -> None:
+        """Start warm from the persistence directory, or cold (saying why) if anything in it is not exactly what
+        this user's server wrote with this user's key."""
+        try:
+            fd = _open_private_file(self._dir_fd, _INDEX)
+        except FileNotFoundError:
+            return
+        except (OSError, _ColdStart) as e:
+            self._start_cold(str(e))
             return
         try:
-            index = json.loads(path.read_text())
-            for row in index["segments"]:
-                self._next_segment = max(self._next_segment, row["id"] + 1)
-                if row.get("kind") == "file":  # the user's file: usable if it is still the same file
-                    reopened = _reopen_file(row)
-                    if reopened is not None:
-                        self.segments[reopened.id] = reopened
-                    continue
-                file = self.persist / f"segment-{int(row['id'])}.bin"
-                fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
-                if os.fstat(fd).st_size != row["nbytes"]:
-                    os.close(fd)
-                    raise CacheError(f"persisted segment {file} has the wrong size")
-                self.segments[row["id"]] = Segment(row["id"], fd, row["nbytes"], path=str(file))
-            for row in index["entries"]:
-                entry = Entry(**{**row, "stream": bytes.fromhex(row["stream"]), "args": bytes.fromhex(row["args"])})
-                if all(segment in self.segments for segment in entry.segment_ids):
-                    self.entries[entry.key] = entry
-                    for segment_id in entry.segment_ids:
-                        self.segments[segment_id].users += 1
-            self._collect_unused()
-        except (OSError, ValueError, KeyError, TypeError, CacheError):
-            # A damaged persistence directory must never stop the server: start cold, keep nothing.
-            self.close()
-            self.entries.clear()
+            try:
+                with os.fdopen(fd, "rb") as file:
+                    raw = file.read()
+                if key_is_new:
+                    raise _ColdStart(f"the persistence key ({KEY_FILE}) was missing: the index cannot be verified")
+                index = _verified_index(raw, self._key)
+                rows = index["segments"]
+                if not isinstance(rows, list):
+                    raise _ColdStart("the index's segment list is malformed")
+                for row in rows:
+                    segment_id = row["id"]
+                    if type(segment_id) is not int or segment_id <= 0 or segment_id in self.segments:
+                        raise _ColdStart(f"the index has a malformed segment id {segment_id!r}")
+                    self._next_segment = max(self._next_segment, segment_id + 1)
+                    if row["kind"] == "file":  # the user's file: usable if it is still the same file
+                        reopened = _reopen_file(row)
+                        if reopened is not None:
+                            self.segments[reopened.id] = reopened
+                        continue
+                    restored = self._restore_segment(row)
+                    if restored is not None:
+                        self.segments[restored.id] = restored
+                for row in index["entries"]:
+                    check_buffer_table(row["buffers"], "a persisted entry")
+                    entry = Entry(**{**row, "stream": bytes.fromhex(row["stream"]), "args": bytes.fromhex(row["args"])})
+                    if all(segment in self.segments for segment in entry.segment_ids):
+                        self.entries[entry.key] = entry
+                        for segment_id in entry.segment_ids:
+                            self.segments[segment_id].users += 1
+                self._collect_unused()
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, CacheError) as e:
+                raise _ColdStart(f"the index or a segment is damaged ({type(e).__name__}: {e})") from e
+        except _ColdStart as e:
+            self._start_cold(str(e))
+
+    def _restore_segment(self, row: dict[str, Any]) -> Segment | None:
+        """A persisted segment copied into a new sealed memfd and checked against its digest there (what clients
+        will map); None if its file is gone (its entries are dropped).
+
+        Raises:
+            _ColdStart: the file is not a private regular file of this user, or its size or digest is wrong.
+        """
+        name = f"segment-{row['id']}.bin"
+        nbytes, expected = row["nbytes"], row["sha256"]
+        if type(nbytes) is not int or nbytes < 0 or not isinstance(expected, str):
+            raise _ColdStart(f"the index describes segment {row['id']} wrongly")
+        try:
+            fd = _open_private_file(self._dir_fd, name)
+        except FileNotFoundError:
+            return None
+        try:
+            if os.fstat(fd).st_size != nbytes:
+                raise _ColdStart(f"persisted segment {name} has the wrong size")
+            memfd = arena.create_memfd(f"zerocopy_pickle-cache-{row['id']}")
+            try:
+                _send_all(memfd, fd, nbytes)
+                arena.seal(memfd)
+                if not hmac.compare_digest(_digest(memfd, nbytes), expected):
+                    raise _ColdStart(f"persisted segment {name} does not match its digest in the index")
+            except BaseException:
+                os.close(memfd)
+                raise
+        finally:
+            os.close(fd)
+        return Segment(row["id"], memfd, nbytes, path=name, sha256=expected)
+
+    def _start_cold(self, reason: str) -> None:
+        self._forget_all()
+        self._next_segment = 1
+        self.cold_start = reason
+        log.warning("zerocopy_pickle cache: starting cold, not from %s: %s", self.persist, reason)
+
+
+def persistence_key(directory: Path | None = None) -> tuple[bytes, bool]:
+    """This user's persistence key and whether it was just created: :data:`KEY_FILE` in the private
+    ``directory`` (default: :func:`protocol.runtime_dir`), created with 32 random bytes, mode 0600, without
+    following links, published whole (linked into place) or not at all.
+
+    Raises:
+        CacheError: the directory is not private, or the key file is not a private regular file of 32 bytes.
+    """
+    dir_fd = open_private_directory(directory) if directory is not None else None
+    if dir_fd is None:
+        directory = runtime_dir()
+        dir_fd = open_private_directory(directory)
+    try:
+        for _ in range(3):
+            try:
+                fd = _open_private_file(dir_fd, KEY_FILE)
+            except FileNotFoundError:
+                pass
+            except _ColdStart as e:
+                raise CacheError(f"{e}; remove it ({directory}/{KEY_FILE}): a new key is then made") from e
+            else:
+                with os.fdopen(fd, "rb") as file:
+                    key = file.read(_KEY_BYTES + 1)
+                if len(key) != _KEY_BYTES:
+                    raise CacheError(
+                        f"the persistence key {directory}/{KEY_FILE} is not {_KEY_BYTES} bytes long; remove it: a "
+                        "new key is then made (persisted entries are then not used)"
+                    )
+                return key, False
+            key = secrets.token_bytes(_KEY_BYTES)
+            try:
+                _write_file(
+                    dir_fd, KEY_FILE, lambda out, key=key: arena.write_pieces(out, [key]), replace=False, sync=True
+                )
+            except FileExistsError:
+                continue  # another server made one meanwhile: use that
+            return key, True
+        raise CacheError(f"cannot create the persistence key in {directory}")
+    finally:
+        os.close(dir_fd)
+
+
+def _verified_index(raw: bytes, key: bytes) -> dict[str, Any]:
+    outer = json.loads(raw)
+    if not isinstance(outer, dict) or outer.get("version") != _INDEX_VERSION:
+        raise _ColdStart("the index is not of this version's format")
+    body, mac = outer.get("body"), outer.get("hmac_sha256")
+    if not isinstance(body, str) or not isinstance(mac, str):
+        raise _ColdStart("the index is malformed")
+    if not hmac.compare_digest(hmac.new(key, body.encode(), hashlib.sha256).hexdigest(), mac):
+        raise _ColdStart("the index's authentication code does not match (it was changed, or written with another key)")
+    index = json.loads(body)
+    if not isinstance(index, dict):
+        raise _ColdStart("the index is malformed")
+    return index
+
+
+def _open_private_file(dir_fd: int, name: str) -> int:
+    """``name`` in the directory ``dir_fd``, opened read-only without following a link, if it is a regular
+    file of this user that nobody else may access.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        _ColdStart: it is something else.
+    """
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise _ColdStart(f"{name} cannot be opened as a plain file ({e.strerror})") from e
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        os.close(fd)
+        raise _ColdStart(f"{name} is not a private regular file of yours (mode {info.st_mode:o}, uid {info.st_uid})")
+    return fd
+
+
+def _write_file(dir_fd: int, name: str, fill: Any, *, replace: bool = True, sync: bool = False) -> None:
+    """Create ``name`` in the directory ``dir_fd`` whole, mode 0600, or not at all: written under a fresh
+    temporary name (``O_EXCL | O_NOFOLLOW``), then renamed over ``name`` (or, without ``replace``, linked to it:
+    ``FileExistsError`` if it exists). A failed write leaves the previous file as it was. ``sync`` flushes the
+    data to disk before it gets its name (the key: losing it after a crash would cost every persisted entry; an
+    index or segment lost that way only means a cold start)."""
+    temporary = f".{name}.{secrets.token_hex(6)}.tmp"
+    out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        try:
+            fill(out)
+            if sync:
+                os.fsync(out)
+        finally:
+            os.close(out)
+        if replace:
+            os.rename(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        else:
+            os.link(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary, dir_fd=dir_fd)
+
+
+def _send_all(out: int, fd: int, nbytes: int) -> None:
+    offset = 0
+    while offset < nbytes:
+        sent = os.sendfile(out, fd, offset, nbytes - offset)
+        if sent == 0:
+            raise OSError(f"short copy: {nbytes - offset} bytes missing")
+        offset += sent
+
+
+def _digest(fd: int, nbytes: int) -> str:
+    """SHA-256 of the first ``nbytes`` of ``fd`` (a sealed memfd: the bytes cannot change meanwhile)."""
+    if not nbytes:
+        return hashlib.sha256().hexdigest()
+    with mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ) as memory:
+        return hashlib.sha256(memory).hexdigest()
 
 
 def _reopen_file(row: dict[str, Any]) -> Segment | None:
@@ -454,15 +694,3 @@ def _copy_ranges(fd: int, ranges: dict[int, int], layout: dict[int, int], size: 
         os.close(out)
         raise
     return out
-
-
-def _copy_to_file(fd: int, path: str, nbytes: int) -> None:
-    """Persist a segment: written whole under ``path`` (private), or not at all."""
-    with arena.atomic_output(path) as out:
-        os.fchmod(out, 0o600)
-        offset = 0
-        while offset < nbytes:
-            sent = os.sendfile(out, fd, offset, nbytes - offset)
-            if sent == 0:
-                raise CacheError(f"short copy while persisting a segment to {path}")
-            offset += sent

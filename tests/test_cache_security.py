@@ -1,0 +1,362 @@
+"""The model cache against a hostile neighbour: bounded messages, a persistence directory someone else
+prepared or changed, and a server or loader started in a directory holding someone's modules."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pickle
+import shutil
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zerocopy_pickle import arena
+from zerocopy_pickle.cache import protocol
+from zerocopy_pickle.cache.client import Client
+from zerocopy_pickle.cache.store import KEY_FILE, Entry, Store
+
+from .cache_helpers import ServerProcess, private_dir
+from .conftest import REPO
+
+NOBODY = 65534
+
+# -- the wire ---------------------------------------------------------------------------------------------------
+
+
+def test_a_huge_declared_length_is_refused_before_allocating() -> None:
+    for prefix in (struct.pack("<II", 2, 0xFFFF_FFFF), struct.pack("<II", protocol.REQUEST.header + 1, 0)):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with ours, theirs:
+            theirs.sendall(prefix)  # and nothing more: the receiver must not wait for (or reserve) the rest
+            with pytest.raises(protocol.ProtocolError, match="refused"):
+                protocol.receive(ours, protocol.REQUEST)
+
+
+def test_a_message_is_read_whole_in_pieces_and_a_short_one_is_an_error() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    payload = os.urandom(3 << 20)  # several read pieces, more than a socket buffer
+    with ours, theirs:
+        sender = threading.Thread(target=protocol.send, args=(theirs, {"op": "x"}, payload))
+        sender.start()
+        header, data, fds = protocol.receive(ours, protocol.REQUEST)
+        sender.join()
+        assert header == {"op": "x"} and data == payload and fds == []
+        theirs.sendall(struct.pack("<II", 2, 10) + b"{}abc")
+        theirs.shutdown(socket.SHUT_WR)
+        with pytest.raises(protocol.ProtocolError, match="hung up 7 bytes before the end"):
+            protocol.receive(ours, protocol.REQUEST)
+
+
+def test_file_descriptors_beyond_a_kinds_limit_are_refused_and_closed() -> None:
+    memfd = arena.create_memfd("test")
+    before = len(os.listdir("/proc/self/fd"))
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        protocol.send(theirs, {"op": "ping"}, fds=[memfd, memfd])
+        with pytest.raises(protocol.ProtocolError, match="file descriptors"):
+            protocol.receive(ours, protocol.REQUEST)  # clients send none
+    assert len(os.listdir("/proc/self/fd")) == before  # what arrived was closed
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        protocol.send(theirs, {"op": "ping"}, fds=[memfd, memfd])
+        _, _, fds = protocol.receive(ours, protocol.ENTRY)
+        assert len(fds) == 2
+        for fd in fds:
+            os.close(fd)
+    os.close(memfd)
+
+
+def test_buffer_tables_are_checked() -> None:
+    assert protocol.check_buffer_table([[1, 0, 8, "cpu", None]]) == [[1, 0, 8, "cpu", None]]
+    for bad in ({}, [[1, -1, 8, "cpu", None]], [[1, 0, "8", "cpu", None]], [[1, 0, 8]], [None]):
+        with pytest.raises(protocol.ProtocolError):
+            protocol.check_buffer_table(bad)
+
+
+# -- the persistence directory ----------------------------------------------------------------------------------
+
+
+def persisted_store(tmp_path: Path) -> tuple[Path, Path]:
+    """A persistence directory holding one entry ("a": b"hello" in one segment), and the key's directory."""
+    persist, keys = tmp_path / "persist", tmp_path / "keys"
+    keys.mkdir(mode=0o700, exist_ok=True)
+    store = Store(persist=persist, key_dir=keys)
+    fd = arena.create_memfd("test-segment")
+    os.write(fd, b"hello")
+    arena.seal(fd)
+    store.add(Entry("a", "call a", b"stream", [[0, 0, 5, "cpu", None]], []), fd)
+    store.close()
+    return persist, keys
+
+
+def test_the_persistence_directory_is_created_private(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    assert stat.S_IMODE(persist.stat().st_mode) == 0o700
+    for file in persist.iterdir():
+        assert stat.S_IMODE(file.stat().st_mode) == 0o600, file
+    key = keys / KEY_FILE
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and key.stat().st_size == 32
+    again = Store(persist=persist, key_dir=keys)  # the same key, read back: warm
+    assert list(again.entries) == ["a"] and again.cold_start is None
+    assert again.segments[1].kind == "memfd" and fcntl.fcntl(again.segments[1].fd, fcntl.F_GET_SEALS) & arena.SEALS
+    again.close()
+
+
+def test_a_symlinked_or_open_persistence_directory_is_refused(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    link = tmp_path / "link"
+    link.symlink_to(persist)
+    with pytest.raises(protocol.CacheError, match="not a plain directory"):
+        Store(persist=link, key_dir=keys)
+    os.chmod(persist, 0o770)
+    with pytest.raises(protocol.CacheError, match="chmod 700"):
+        Store(persist=persist, key_dir=keys)
+    os.chmod(persist, 0o700)
+
+
+def test_files_inside_are_not_followed(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    index = persist / "index.json"
+    real = tmp_path / "elsewhere.json"
+    index.rename(real)
+    index.symlink_to(real)  # a link to the right bytes is still refused
+    store = Store(persist=persist, key_dir=keys)
+    assert not store.entries and "cannot be opened as a plain file" in (store.cold_start or "")
+    store.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a directory another user owns")
+def test_a_persistence_directory_of_another_user_is_refused(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    os.chown(persist, NOBODY, NOBODY)
+    with pytest.raises(protocol.CacheError, match=f"belongs to uid {NOBODY}, not to you"):
+        Store(persist=persist, key_dir=keys)
+    os.chown(persist, 0, 0)
+    # And a file inside owned by someone else (a directory they could write to before it was made private).
+    os.chown(persist / "index.json", NOBODY, NOBODY)
+    store = Store(persist=persist, key_dir=keys)
+    assert not store.entries and "not a private regular file of yours" in (store.cold_start or "")
+    store.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
+def test_another_user_preparing_the_directory_runs_nothing(tmp_path: Path) -> None:
+    """A nobody process makes the persistence directory in a world-writable place, 0700, with an index whose
+    entry would run code: it is refused whatever the index holds."""
+    shared = Path(tempfile.mkdtemp(prefix="zcp-shared-"))  # like /tmp: anyone may make a directory in it
+    os.chmod(shared, 0o1777)
+    trap = shared / "persist"
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                trap.mkdir(mode=0o700)
+                (trap / "index.json").write_text("{}")
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        keys = tmp_path / "keys"
+        keys.mkdir(mode=0o700)
+        with pytest.raises(protocol.CacheError, match="not to you"):
+            Store(persist=trap, key_dir=keys)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def sentinel_stream(sentinel: Path) -> bytes:
+    """A pickle that creates ``sentinel`` when unpickled."""
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (Path.touch, (sentinel,))
+
+    return pickle.dumps(Payload())
+
+
+def rewrite_index(persist: Path, change: Any) -> None:
+    """Change the (valid JSON) body of the index, keeping its old authentication code."""
+    index = persist / "index.json"
+    outer = json.loads(index.read_text())
+    body = json.loads(outer["body"])
+    change(body)
+    outer["body"] = json.dumps(body)
+    index.write_text(json.dumps(outer))
+    os.chmod(index, 0o600)
+
+
+def test_a_tampered_index_starts_cold_and_nothing_is_unpickled(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    sentinel = tmp_path / "ran"
+
+    def plant(body: dict[str, Any]) -> None:
+        body["entries"][0]["stream"] = sentinel_stream(sentinel).hex()
+
+    rewrite_index(persist, plant)
+    store = Store(persist=persist, key_dir=keys)
+    assert not store.entries and not store.segments
+    assert "authentication code does not match" in (store.cold_start or "")
+    store.close()
+    assert not sentinel.exists()
+
+
+def test_an_index_without_its_key_starts_cold(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    (keys / KEY_FILE).unlink()
+    store = Store(persist=persist, key_dir=keys)
+    assert not store.entries and "persistence key" in (store.cold_start or "")
+    store.close()
+    other = tmp_path / "other-keys"
+    other.mkdir(mode=0o700)
+    store = Store(persist=persist, key_dir=other)  # another user's (or a fresh) key: the code does not match
+    assert not store.entries and store.cold_start
+    store.close()
+
+
+def test_a_tampered_segment_starts_cold(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    segment = persist / "segment-1.bin"
+    segment.write_bytes(b"HELLO")  # same size, other bytes
+    store = Store(persist=persist, key_dir=keys)
+    assert not store.entries and not store.segments
+    assert "does not match its digest" in (store.cold_start or "")
+    store.close()
+
+
+def test_a_failed_index_write_keeps_the_previous_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    persist, keys = persisted_store(tmp_path)
+    before = (persist / "index.json").read_bytes()
+    store = Store(persist=persist, key_dir=keys)
+
+    def full_disk(fd: int, pieces: Any) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(arena, "write_pieces", full_disk)
+    assert store.clear() == 1  # served from memory all the same
+    monkeypatch.undo()
+    assert (persist / "index.json").read_bytes() == before
+    assert not [p for p in persist.iterdir() if p.name.endswith(".tmp")]
+    store.close()
+
+
+# -- a real server: where it and its loader import from, and a hostile peer ----------------------------------------
+
+WHERE_CLIENT = """
+import json, os, sys, warnings
+warnings.simplefilter("always")
+from zerocopy_pickle import cache
+cache.patch_all(["tests.cache_helpers:where_am_i"], autostart=True)
+from tests import cache_helpers
+result = cache_helpers.where_am_i(sys.argv[1])
+print(json.dumps({"sys_path": result["sys_path"], "cwd": result["cwd"], "sum": float(result["state"]["w"].sum()),
+                  "status": cache.status()}))
+"""
+
+
+@pytest.mark.slow
+def test_an_autostarted_server_and_its_loader_import_nothing_from_the_clients_directory(tmp_path: Path) -> None:
+    import torch
+
+    project = tmp_path / "project"  # the folder a client runs in, holding somebody's diffusers.py
+    project.mkdir()
+    sentinel = tmp_path / "diffusers-ran"
+    (project / "diffusers.py").write_text(f"open({str(sentinel)!r}, 'a').write(str(__import__('os').getpid()))\n")
+    torch.save({"w": torch.arange(10.0)}, project / "state.pt")
+    with private_dir() as directory:
+        env = {**os.environ, "ZEROCOPY_PICKLE_CACHE_DIR": str(directory), "PYTHONPATH": str(REPO),
+               "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", WHERE_CLIENT, "state.pt"],  # a relative path, resolved in the client's folder
+                capture_output=True, text=True, env=env, cwd=project, timeout=300,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr
+            result = json.loads(proc.stdout.splitlines()[-1])
+            assert result["sum"] == 45.0, proc.stderr
+            status = result["status"]
+            assert status["loader_ready"] and status["misses"] == 1 and len(status["entries"]) == 1, proc.stderr
+            # The zygote (and the server) run in the private runtime directory, and look for modules neither
+            # there nor in the client's folder; the loader child ran the call in the client's folder.
+            for pid in (status["pid"], status["loader_pid"]):
+                assert os.readlink(f"/proc/{pid}/cwd") == str(directory)
+            assert result["cwd"] == str(project)
+            assert "" not in result["sys_path"] and str(project) not in result["sys_path"]
+            assert str(directory) not in result["sys_path"]
+            assert str(REPO) in result["sys_path"]  # an explicit PYTHONPATH entry stays
+            assert not sentinel.exists(), sentinel.read_text()
+        finally:
+            with contextlib.suppress(Exception), Client(directory / "server.sock", timeout=30) as client:
+                client.request({"op": "stop"})
+
+
+@pytest.mark.slow
+def test_a_huge_declared_message_is_refused_without_allocating(tmp_path: Path) -> None:
+    psutil = pytest.importorskip("psutil")
+    with private_dir() as directory:
+        server = ServerProcess(directory)
+        try:
+            process = psutil.Process(server.pid)
+            before = process.memory_info().rss
+            sock_path = str(directory / "server.sock")
+            # 12 bytes claiming 2 GiB: refused with a protocol error, the connection closed.
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as hostile:
+                hostile.connect(sock_path)
+                hostile.sendall(struct.pack("<II", 2, 2 << 30) + b"{}  ")
+                reply, _, _ = protocol.receive(hostile)
+                assert reply["ok"] is False and "protocol error" in reply["error"] and "refused" in reply["error"]
+                with contextlib.suppress(ConnectionResetError):  # a reset: it hung up with bytes unread
+                    assert hostile.recv(1) == b""  # hung up
+            # Within the limits but never sent: nothing is reserved for what has not arrived.
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as slow:
+                slow.connect(sock_path)
+                slow.sendall(struct.pack("<II", 2, protocol.REQUEST.payload) + b"{}" + b"x" * 1000)
+                assert server.request("ping")["ok"]  # others are served meanwhile
+                growth = process.memory_info().rss - before
+                assert growth < protocol.REQUEST.payload // 4, growth
+            assert server.request("ping")["ok"]
+            assert process.memory_info().rss - before < protocol.REQUEST.payload // 4
+        finally:
+            server.stop()
+
+
+def test_a_missing_segment_drops_only_its_entries(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+    store = Store(persist=persist, key_dir=keys)
+    fd = arena.create_memfd("test-segment")
+    os.write(fd, b"world")
+    arena.seal(fd)
+    store.add(Entry("b", "call b", b"stream", [[0, 0, 5, "cpu", None]], []), fd)
+    store.close()
+    (persist / "segment-1.bin").unlink()  # a crash between deleting a segment and writing the index
+    again = Store(persist=persist, key_dir=keys)
+    assert list(again.entries) == ["b"] and again.cold_start is None
+    again.close()
+
+
+def test_the_start_directory_leaves_sys_path_but_explicit_entries_stay(tmp_path: Path) -> None:
+    code = (
+        "import json, os, sys; from zerocopy_pickle.cache.isolation import cleaned_path; "
+        "here = os.getcwd(); dash_m = [here, *[p for p in sys.path[1:] if p != here]]; "  # as Python makes it
+        "print(json.dumps([sys.path[0], cleaned_path(sys.path), cleaned_path(dash_m)]))"
+    )
+    for pythonpath, kept in ((str(REPO), False), (f"{REPO}{os.pathsep}{tmp_path}", True)):
+        env = {**os.environ, "PYTHONPATH": pythonpath}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+        first, cleaned, as_if_dash_m = json.loads(proc.stdout)
+        assert first == "" and "" not in cleaned and str(REPO) in cleaned  # -c: '' goes, PYTHONPATH stays
+        assert (str(tmp_path) in as_if_dash_m) is kept  # -m: the working directory goes unless named explicitly
