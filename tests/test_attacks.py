@@ -34,6 +34,8 @@ from .hostile_streams import (
     build,
     call,
     inband_storage,
+    memo_get,
+    memo_put,
     program,
     storage,
     tensor_view,
@@ -600,13 +602,19 @@ def test_the_corpus_names_every_attack() -> None:
         assert maker in makers
 
 
+def test_one_inband_storage_named_over_and_over_is_refused() -> None:
+    """Amplification: bytes in the stream, referenced from the memo by many storages, would be copied for each;
+    the restricted load's copy budget refuses it before the copies add up."""
+    rebuild_storage = G("zerocopy_pickle.rebuild", "rebuild_storage")
+    chunk = memo_put(bytes(1 << 20), 0)
+    views = [tensor_view(call(rebuild_storage, memo_get(0) if i else chunk, "cpu"), (1,), (1,)) for i in range(64)]
+    with pytest.raises(zp.SnapshotError, match="amplification"):
+        zp.loads(as_snapshot(program(views)))
+
+
 def test_inband_storage_helper_is_usable() -> None:
-    """Control: the assembler writes streams the library loads (so a refusal above is about the attack). A
-    storage over bytes inside the stream loads only trusted: restricted loads build storages over the snapshot's
-    own buffers only (bytes would be copied once per reference to them)."""
+    """Control: the assembler writes streams the library loads (so a refusal above is about the attack)."""
     data = as_snapshot(program(tensor_view(inband_storage(bytes(8)), (2,), (1,))))
-    assert zp.loads(data, trusted=True).shape == (2,)
-    with pytest.raises(zp.SnapshotError, match="one of the snapshot's writable buffers, not bytes"):
-        zp.loads(data)
+    assert zp.loads(data).shape == (2,)
     data = as_snapshot(program(tensor_view(storage(), (2,), (1,))), [bytes(8)])
     assert zp.loads(data).shape == (2,)

@@ -405,7 +405,7 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         stream_uses: StreamUses | None = None,
     ) -> None:
         static_target(map_location, "cpu")  # reject a malformed map_location before reading anything
-        self._storage_builder = rebuild.StorageBuilder(map_location, copies=trusted)
+        self._storage_builder = rebuild.StorageBuilder(map_location)
         self._resolved: dict[tuple[str, str], object] | None = None
         self._budget = 0
         self._stream: bytes | None = None

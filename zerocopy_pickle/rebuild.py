@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import device, native
+from . import device, native, validate
 from .device import MapLocation
 from .errors import UnsafeArgumentError
 
@@ -133,12 +133,9 @@ class StorageBuilder:
     ``zerocopy_pickle.rebuild:rebuild_storage``; the call signature is the same.
     """
 
-    __slots__ = ("_copies", "_map_location", "_native", "_stays_on_cpu")
+    __slots__ = ("_map_location", "_native", "_stays_on_cpu")
 
-    def __init__(self, map_location: MapLocation, *, copies: bool = True) -> None:
-        # copies=False (restricted loads): only the load's own writable buffers, never a read-only buffer or
-        # bytes, which would be copied once per reference: a stream could name one over and over.
-        self._copies = copies
+    def __init__(self, map_location: MapLocation) -> None:
         self._map_location = map_location
         self._native = native.storage_builder()  # the backend is chosen once per load
         self._stays_on_cpu: dict[str, bool] = {}  # saved location -> whether its target is the CPU
@@ -152,16 +149,15 @@ class StorageBuilder:
                 storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
             else:
                 storage = build(buffer)
-        elif (self._copies and type(buffer) in (memoryview, bytes, bytearray, pickle.PickleBuffer)) or (
-            type(buffer) is memoryview and not buffer.nbytes
-        ):
+        elif type(buffer) in (memoryview, bytes, bytearray, pickle.PickleBuffer):
+            # A read-only buffer or bytes in the stream is copied: charged to a restricted load's budget, since a
+            # stream could name the same bytes over and over (validate.charge is free outside restricted loads).
+            validate.charge(memoryview(buffer).nbytes, "zerocopy_pickle.rebuild:rebuild_storage")
             storage = storage_from_buffer(buffer)
         else:
             raise UnsafeArgumentError(
-                "zerocopy_pickle.rebuild:rebuild_storage: buffer must be "
-                + ("an out-of-band buffer or bytes" if self._copies else "one of the snapshot's writable buffers")
-                + f", not {type(buffer).__qualname__}"
-                + ("" if type(buffer) is not memoryview else " (read-only or empty)")
+                f"zerocopy_pickle.rebuild:rebuild_storage: buffer must be an out-of-band buffer or bytes, not "
+                f"{type(buffer).__qualname__}"
             )
         if type(location) is not str or len(location) > 64:
             raise UnsafeArgumentError(
