@@ -178,6 +178,7 @@ torch::jit::Module jit_load_from_buffer(const py::handle& obj, std::optional<c10
 // Hostile input: every read is checked against `end` before it happens, lengths are compared with the bytes
 // left (never added to a position first), containers grow by at most one entry per opcode, nothing recurses.
 
+namespace {  // internal linkage, as pybind11's own types have hidden visibility
 namespace semantics_native {
 
 constexpr std::size_t kMaxStack = std::size_t(1) << 20;  // streamcheck.MAX_STACK
@@ -573,7 +574,8 @@ class Analyzer {
     return entry.decoded;
   }
 
-  // A text decoded by `decode` (nullptr: ASCII-only bytes stay undecoded); kNone after a decoding error.
+  // Records a string literal's bytes, with its str (`decoded`, a new reference) or nullptr for ASCII bytes,
+  // decoded only if a STACK_GLOBAL takes them as a name.
   uint32_t add_text(std::size_t offset, std::size_t length, PyObject* decoded) {
     texts_.push_back({offset, length, py::reinterpret_steal<py::object>(decoded)});
     return static_cast<uint32_t>(texts_.size() - 1);
@@ -1012,6 +1014,7 @@ py::tuple analyze_stream(const py::handle& obj) {
 }
 
 }  // namespace semantics_native
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zerocopy_pickle native helpers (see zerocopy_pickle/native.py)";
