@@ -9,7 +9,9 @@ skip only where no C++ toolchain exists.
 from __future__ import annotations
 
 import collections
+import ctypes
 import io
+import mmap
 import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -351,3 +353,42 @@ def test_random_bytes_agree(analyzer: Analyzer, data: bytes) -> None:
 def test_native_takes_any_buffer(analyzer: Analyzer) -> None:
     stream = zerocopy_stream(OBJECTS["tied-net"])
     assert analyzer(bytearray(stream)) == analyzer(memoryview(stream)) == analyzer(stream)
+
+
+def test_no_read_past_the_end(analyzer: Analyzer) -> None:
+    """Every stream (and every prefix of real ones) ends right where an unreadable page begins: a read past the
+    end would crash the process instead of passing unnoticed in the slack of a bytes object."""
+    page = mmap.PAGESIZE
+    span = 16 * page
+    region = mmap.mmap(-1, span + page, flags=mmap.MAP_PRIVATE)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    anchor = ctypes.c_char.from_buffer(region)
+    guard = ctypes.addressof(anchor) + span
+    assert libc.mprotect(guard, page, 0) == 0  # PROT_NONE
+    try:
+        streams = [s for s, _ in CASES.values() if len(s) <= span]
+        for seed in SEEDS:
+            streams += [seed[:n] for n in range(0, min(len(seed), span) + 1, 7)]
+        view = memoryview(region)
+        for stream in streams:
+            at = span - len(stream)
+            region[at:span] = stream
+            assert analyzer(view[at:span]) == analyzer(stream)
+        view.release()
+    finally:
+        assert libc.mprotect(guard, page, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+        del anchor
+
+
+def test_python_backend_has_no_analyzer() -> None:
+    with native._use("python"):
+        assert native.stream_analyzer() is None
+        assert semantics._native_uses(b"N.") is None
+
+
+def test_native_errors_fall_back_to_python(analyzer: Analyzer) -> None:
+    with native._use("native"):
+        assert semantics._native_uses(b"N.") == python_verdict(b"N.")
+        for stream in (b"])R.", b"N", b"Np+0\n."):
+            assert semantics._native_uses(stream) is None
