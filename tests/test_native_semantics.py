@@ -392,3 +392,27 @@ def test_native_errors_fall_back_to_python(analyzer: Analyzer) -> None:
         assert semantics._native_uses(b"N.") == python_verdict(b"N.")
         for stream in (b"])R.", b"N", b"Np+0\n."):
             assert semantics._native_uses(stream) is None
+
+
+_leaves = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=8), st.binary(max_size=8)
+)
+_graphs = st.recursive(
+    _leaves,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=5),
+        st.tuples(inner, inner),
+        st.dictionaries(st.text(max_size=4), inner, max_size=5),
+        st.frozensets(st.integers(), max_size=4),
+        st.dictionaries(st.text(max_size=4), inner, max_size=3).map(collections.OrderedDict),
+        st.lists(inner, max_size=3).map(collections.deque),
+    ),
+    max_leaves=25,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(graph=_graphs, protocol=st.integers(0, pickle.HIGHEST_PROTOCOL), shared=st.booleans())
+def test_random_object_graphs_agree(analyzer: Analyzer, graph: object, protocol: int, shared: bool) -> None:
+    obj = [graph, graph] if shared else graph  # shared: the memo's GET/BINGET paths
+    assert_agree(analyzer, pickle.dumps(obj, protocol=protocol), defer_ok=False)
