@@ -297,7 +297,8 @@ struct Text {
 
 class Analyzer {
  public:
-  Analyzer(const unsigned char* data, std::size_t end) : data_(data), end_(end) {
+  Analyzer(const unsigned char* data, std::size_t end, std::size_t collect_at)
+      : data_(data), end_(end), collect_at_(std::max<std::size_t>(collect_at, 8)), next_collect_(collect_at_) {
     tags_.push_back({kPrim, false, 0, kNone});
     tags_.push_back({kBytes, false, 0, kNone});
     tags_.push_back({kBuffer, false, 0, kNone});
@@ -437,6 +438,9 @@ class Analyzer {
         }
       }
       if (alive_) {
+        if (tags_.size() >= next_collect_ || texts_.size() >= next_collect_) {
+          collect();
+        }
         analyze(op, start, arg, text_offset, text_length);
       }
       if (op == '.') {
@@ -474,6 +478,49 @@ class Analyzer {
   std::vector<py::object> pairs_;  // (module, qualname) tuples, in order of first appearance
   std::vector<uint8_t> called_, instantiated_, mutated_;
   std::vector<uint32_t> mutated_order_;
+  std::size_t collect_at_;
+  std::size_t next_collect_;
+
+  // Drops the tags (and string texts) no stack slot or memo entry refers to any more. Python frees a popped
+  // _Tag; without this a stream of "]0" (push a list, pop it) would make this pass hold 12 bytes per 2 bytes
+  // of stream. Tags refer to no other tag, so compaction only renumbers the stack and the memo. It runs when
+  // the tables double past what survived the last time: amortised O(1) per opcode, never for small streams.
+  void collect() {
+    std::vector<uint32_t> renumber(tags_.size(), kNone);
+    std::vector<Tag> kept;
+    kept.reserve(4 + stack_.size() + memo_.size());
+    for (uint32_t i = 0; i < 4; ++i) {  // the singletons keep their numbers
+      renumber[i] = i;
+      kept.push_back(tags_[i]);
+    }
+    auto keep = [&](uint32_t& index) {
+      if (renumber[index] == kNone) {
+        renumber[index] = static_cast<uint32_t>(kept.size());
+        kept.push_back(tags_[index]);
+      }
+      index = renumber[index];
+    };
+    for (uint32_t& index : stack_) {
+      keep(index);
+    }
+    for (uint32_t& index : memo_) {
+      keep(index);
+    }
+    tags_.swap(kept);
+    std::vector<uint32_t> renumber_text(texts_.size(), kNone);
+    std::vector<Text> kept_texts;
+    for (Tag& tag : tags_) {
+      if (tag.kind == kStr && tag.ref != kNone) {
+        if (renumber_text[tag.ref] == kNone) {
+          renumber_text[tag.ref] = static_cast<uint32_t>(kept_texts.size());
+          kept_texts.push_back(std::move(texts_[tag.ref]));
+        }
+        tag.ref = renumber_text[tag.ref];
+      }
+    }
+    texts_.swap(kept_texts);
+    next_collect_ = std::max(collect_at_, 2 * std::max(tags_.size(), texts_.size()));
+  }
 
   uint64_t read_le(std::size_t pos, std::size_t width) const {  // caller checked width <= end_ - pos
     uint64_t value = 0;
@@ -1003,13 +1050,14 @@ class Analyzer {
   }
 };
 
-py::tuple analyze_stream(const py::handle& obj) {
+py::tuple analyze_stream(const py::handle& obj, std::size_t collect_at) {
   BufferGuard guard;
   if (PyObject_GetBuffer(obj.ptr(), &guard.view, PyBUF_SIMPLE) != 0) {
     throw py::error_already_set();
   }
   guard.held = true;  // the export pins the bytes (a bytearray cannot resize) for the whole call
-  Analyzer analyzer(static_cast<const unsigned char*>(guard.view.buf), static_cast<std::size_t>(guard.view.len));
+  Analyzer analyzer(static_cast<const unsigned char*>(guard.view.buf), static_cast<std::size_t>(guard.view.len),
+                    collect_at);
   return analyzer.run();
 }
 
@@ -1022,7 +1070,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A CPU UntypedStorage over a writable buffer, holding the buffer's export while it lives.");
   m.def("jit_load_from_buffer", &jit_load_from_buffer, py::arg("buffer"), py::arg("device") = py::none(),
         "Import a TorchScript archive from a buffer without copying it; returns the C++ module.");
-  m.def("analyze_stream", &semantics_native::analyze_stream, py::arg("stream"),
+  m.def("analyze_stream", &semantics_native::analyze_stream, py::arg("stream"), py::arg("collect_at") = 1 << 16,
         "streamcheck.check_stream + semantics.analyze in one pass: (code, offset, payload); code 0 is success, "
         "payload (globals, called, instantiated, [(pair, mutated ops bitmask)], next_buffers).");
 }

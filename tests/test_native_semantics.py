@@ -28,7 +28,7 @@ from zerocopy_pickle.errors import RestrictedLoadError, SnapshotError
 from .conftest import TiedNet
 from .test_native import _toolchain_missing
 
-Analyzer = Callable[[bytes], tuple[int, int, Any]]
+Analyzer = Callable[..., tuple[int, int, Any]]
 OK, MALFORMED, REFUSED, TOO_DEEP, DEFER = range(5)
 
 
@@ -57,8 +57,10 @@ def python_verdict(stream: bytes) -> semantics.StreamUses | type[BaseException]:
 
 
 def assert_agree(analyzer: Analyzer, stream: bytes, *, defer_ok: bool = True) -> int:
-    """Compare the two verdicts on ``stream``; returns the native code."""
+    """Compare the two verdicts on ``stream``; returns the native code. The native pass also runs with its
+    collection of dead tags forced early and often (it must not change any result)."""
     code, offset, payload = analyzer(stream)
+    assert analyzer(stream, collect_at=8)[:2] == (code, offset)
     expected = python_verdict(stream)
     if code == OK:
         assert isinstance(expected, semantics.StreamUses), (stream, expected)
@@ -416,3 +418,18 @@ _graphs = st.recursive(
 def test_random_object_graphs_agree(analyzer: Analyzer, graph: object, protocol: int, shared: bool) -> None:
     obj = [graph, graph] if shared else graph  # shared: the memo's GET/BINGET paths
     assert_agree(analyzer, pickle.dumps(obj, protocol=protocol), defer_ok=False)
+
+
+@pytest.mark.parametrize(
+    "stream",
+    [
+        b"]0" * 100_000 + b"N.",  # dead lists
+        b"\x8c\x01a0" * 100_000 + b"\x8c\x02\xc3\xa90" * 1000 + b"N.",  # dead strings (ASCII, decoded)
+        b"\x8c\x08builtins\x94\x8c\x04list\x9400" + b"]0" * 70_000 + b"h\x00h\x01\x93)R.",  # names kept by the memo
+        b"]\x94" + b"]0h\x00" * 40_000 + b"(" + b"h\x00" * 10 + b"e" + b"0" * 40_000 + b".",  # one list, many aliases
+    ],
+    ids=["lists", "strings", "memo", "aliases"],
+)
+def test_dead_tags_are_collected_without_changing_the_result(analyzer: Analyzer, stream: bytes) -> None:
+    assert assert_agree(analyzer, stream, defer_ok=False) == OK
+    assert analyzer(stream) == analyzer(stream, collect_at=1 << 30) == analyzer(stream, collect_at=8)
