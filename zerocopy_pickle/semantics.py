@@ -480,10 +480,10 @@ def uses(stream: bytes) -> StreamUses:
     When the native backend is active (:func:`zerocopy_pickle.native.backend`), the native helper runs both
     checks in one pass (``analyze_stream`` in ``csrc/zerocopy_native.cpp``) and the Python ones run only when it
     reports an error, to raise it with the exact message. CPU time of the two checks (``time.process_time``,
-    medians, ``benchmarks/semantics.py``, two runs on a loaded machine): a 1000-tensor state dict stream (57 KB)
-    19 to 28 ms in Python, 0.76 to 0.78 ms native; a GPT-ish module stream (25 KB) 10.6 to 16.2 ms against 0.40
-    to 0.53 ms. A process's first restricted load of the state dict takes 1.1x to 1.4x a trusted load with the
-    native helper, 2.9x to 3.4x without.
+    medians, ``benchmarks/semantics.py``, three runs on a shared machine): a 1000-tensor state dict stream (57 KB)
+    19 to 28 ms in Python, 0.76 to 0.85 ms native; a GPT-ish module stream (25 KB) 10.6 to 16.2 ms against 0.40
+    to 0.59 ms. A process's first restricted load of the state dict takes 1.1x to 1.4x a trusted load with the
+    native helper, 2.8x to 3.4x without.
 
     Raises:
         SnapshotError, RestrictedLoadError: as the two checks do.
