@@ -9,6 +9,9 @@ where it measurably pays (``benchmarks/native.py``):
 * :func:`jit_load_from_buffer`: a TorchScript archive imported in place from the arena; the Python path
   copies the archive four times (``BytesIO``, ``bytes``, ``std::string``, ``std::istringstream``) before
   importing it: for a 128 MiB archive, peak RSS +645 MiB against +133 MiB and 5 to 8 times the time.
+* :func:`stream_analyzer`: the bounds check and semantic analysis of a pickle stream that every restricted
+  load runs before unpickling (:func:`zerocopy_pickle.semantics.uses`), in one native pass. See
+  :func:`zerocopy_pickle.semantics.uses` for the figures.
 
 :func:`backend` says which implementation is active. ``ZEROCOPY_PICKLE_NATIVE`` chooses, read once when this
 module is imported (by the first use of the snapshot API: ``import zerocopy_pickle`` alone does not import it):
@@ -67,6 +70,7 @@ __all__ = [
     "extension_path",
     "jit_load_from_buffer",
     "storage_builder",
+    "stream_analyzer",
 ]
 
 ENV = "ZEROCOPY_PICKLE_NATIVE"
@@ -81,6 +85,7 @@ _SOURCE_CANDIDATES = (_HERE / "_csrc" / "zerocopy_native.cpp", _HERE.parent / "c
 _SOURCE = next((p for p in _SOURCE_CANDIDATES if p.is_file()), _SOURCE_CANDIDATES[-1])
 
 StorageFromBuffer = Callable[[Any], torch.UntypedStorage]
+StreamAnalyzer = Callable[[bytes], tuple[int, int, Any]]
 
 
 class NativeBuildError(ZeroCopyPickleError, ImportError):
@@ -143,6 +148,22 @@ def storage_builder() -> StorageFromBuffer | None:
     """
     module = _extension()
     return None if module is None else cast(StorageFromBuffer, module.storage_from_buffer)
+
+
+def stream_analyzer() -> StreamAnalyzer | None:
+    """The native twin of :func:`zerocopy_pickle.streamcheck.check_stream` followed by
+    :func:`zerocopy_pickle.semantics.analyze`, in one pass over the stream, or ``None`` when the Python backend
+    is active. :func:`zerocopy_pickle.semantics.uses` calls it and wraps its result.
+
+    It returns ``(code, offset, payload)``. Code 0: the stream passes both checks, and ``payload`` is
+    ``(globals, called, instantiated, mutated, next_buffers)``, with ``mutated`` a list of ``(pair, bits)``
+    (1 build, 2 setitem, 4 append, 8 add) in order of first mutation. Any other code: the Python checks would
+    raise (1 malformed, 3 nested too deep: SnapshotError; 2 refused: RestrictedLoadError), or (4) the stream
+    holds something the native code leaves to Python (a text memo index that is not plain digits, a stream
+    over 2 GiB); the caller then runs the Python checks, which raise the precise error or decide.
+    """
+    module = _extension()
+    return None if module is None else cast(StreamAnalyzer, module.analyze_stream)
 
 
 def jit_load_from_buffer(buffer: Any, map_location: Any = None) -> Any:
@@ -388,8 +409,11 @@ def _import_extension(path: Path) -> ModuleType:
     return module
 
 
+_HELPERS = ("storage_from_buffer", "jit_load_from_buffer", "analyze_stream")
+
+
 def _check(module: ModuleType) -> None:
-    missing = [name for name in ("storage_from_buffer", "jit_load_from_buffer") if not hasattr(module, name)]
+    missing = [name for name in _HELPERS if not hasattr(module, name)]
     if missing:
         raise ImportError(f"{module.__file__} lacks {', '.join(missing)}")
 

@@ -448,6 +448,37 @@ def _mutate(
     _grow(target, items, pos)
 
 
+# The native helper reports mutated ops as bits (csrc/zerocopy_native.cpp, analyze_stream).
+_OPS_BY_BITS = tuple(
+    frozenset(op for bit, op in ((1, BUILD), (2, SETITEM), (4, APPEND), (8, ADD)) if bits & bit) for bits in range(16)
+)
+
+
+def _native_uses(stream: bytes) -> StreamUses | None:
+    """:func:`zerocopy_pickle.streamcheck.check_stream` + :func:`analyze` by the native helper when the native
+    backend is active; ``None`` when it is not, or when the stream is refused or malformed (or holds what the
+    helper leaves to Python): the Python checks then run and raise the precise error."""
+    from . import native  # imported on first use, as the rest of the library does (it may build the helpers)
+
+    analyzer = native.stream_analyzer()
+    if analyzer is None:
+        return None
+    code, _offset, payload = analyzer(stream)
+    return None if code else _from_native(payload)
+
+
+def _from_native(payload: tuple[Any, ...]) -> StreamUses:
+    """The :class:`StreamUses` of a successful native analysis's payload."""
+    found, called, instantiated, mutated, buffers = payload
+    return StreamUses(
+        globals=found,
+        called=frozenset(called),
+        instantiated=frozenset(instantiated),
+        mutated={pair: _OPS_BY_BITS[bits] for pair, bits in mutated},
+        next_buffers=buffers,
+    )
+
+
 _CACHE: OrderedDict[bytes, StreamUses] = OrderedDict()
 _CACHE_MAX = 512
 _CACHE_LOCK = threading.Lock()
@@ -458,6 +489,14 @@ def uses(stream: bytes) -> StreamUses:
     digest (a cryptographic digest, so no other stream can pose as an analysed one): loading the same snapshot
     again costs a hash of its stream.
 
+    When the native backend is active (:func:`zerocopy_pickle.native.backend`), the native helper runs both
+    checks in one pass (``analyze_stream`` in ``csrc/zerocopy_native.cpp``) and the Python ones run only when it
+    reports an error, to raise it with the exact message. CPU time of the two checks (``time.process_time``,
+    medians, ``benchmarks/semantics.py``, three runs on a shared machine): a 1000-tensor state dict stream (57 KB)
+    19 to 28 ms in Python, 0.76 to 0.85 ms native; a GPT-ish module stream (25 KB) 10.6 to 16.2 ms against 0.40
+    to 0.59 ms. A process's first restricted load of the state dict takes 1.1x to 1.4x a trusted load with the
+    native helper, 2.8x to 3.4x without.
+
     Raises:
         SnapshotError, RestrictedLoadError: as the two checks do.
     """
@@ -467,8 +506,10 @@ def uses(stream: bytes) -> StreamUses:
         if known is not None:
             _CACHE.move_to_end(digest)
             return known
-    streamcheck.check_stream(stream)
-    result = analyze(stream)
+    result = _native_uses(stream)
+    if result is None:
+        streamcheck.check_stream(stream)
+        result = analyze(stream)
     with _CACHE_LOCK:
         _CACHE[digest] = result
         if len(_CACHE) > _CACHE_MAX:
