@@ -479,6 +479,15 @@ def _from_native(payload: tuple[Any, ...]) -> StreamUses:
     )
 
 
+# Note [Where the analysis may differ from the C unpickler]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Only on streams the C unpickler refuses at that very opcode, before running anything after it: TUPLE3 over a
+# frame with fewer than three items (sliced here, "unexpected MARK found" there), a PUT with a negative text
+# index (stored here, refused there). The tags of every stream the C unpickler runs to the end are exact. A
+# call's result counts one level deeper than its arguments (and may reach MAX_DEPTH + 1 itself); whatever
+# contains it is checked. The native twin (csrc/, analyze_stream) reproduces these choices exactly.
+
+
 _CACHE: OrderedDict[bytes, StreamUses] = OrderedDict()
 _CACHE_MAX = 512
 _CACHE_LOCK = threading.Lock()
