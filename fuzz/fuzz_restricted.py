@@ -32,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 # zerocopy_pickle imports its submodules on first use: import every module a load runs here, so that they are
 # instrumented (coverage feedback comes only from modules imported inside this block).
 with atheris.instrument_imports(include=["zerocopy_pickle", "zerocopy_pickle_quirks"]):
+    import zerocopy_pickle_quirks.bnb
+    import zerocopy_pickle_quirks.runtime_objects  # noqa: F401
+
     import zerocopy_pickle.device
     import zerocopy_pickle.format
     import zerocopy_pickle.integrity
@@ -41,8 +44,6 @@ with atheris.instrument_imports(include=["zerocopy_pickle", "zerocopy_pickle_qui
     import zerocopy_pickle.snapshot
     import zerocopy_pickle.streamcheck
     import zerocopy_pickle.validate  # noqa: F401
-    import zerocopy_pickle_quirks.bnb
-    import zerocopy_pickle_quirks.runtime_objects  # noqa: F401
 
 from tests.test_opcode_programs import make_target
 

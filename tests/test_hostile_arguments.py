@@ -145,7 +145,7 @@ def _naming(plugin: str, obj: object) -> bytes:
 
 def test_a_plugin_safe_global_needs_its_plugin_in_the_header() -> None:
     """The same call is refused when the header does not name the plugin that declares the function."""
-    where, fn, plugin = _quirk_safe_globals()[0]
+    _where, fn, plugin = _quirk_safe_globals()[0]
     with pytest.raises(zp.RestrictedLoadError, match="not on this load's allow-list"):
         zp.loads(as_snapshot(pickle.dumps(Reduce(fn), protocol=5)))
     with contextlib.suppress(zp.SnapshotError):  # arity or arguments: refused by the function itself
