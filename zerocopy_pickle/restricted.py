@@ -33,6 +33,7 @@ import io
 import os
 import pickle
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -177,11 +178,25 @@ def is_blocked(pair: tuple[str, str], obj: object = None) -> bool:
 def _is_blocked_object(obj: object) -> bool:
     """Whether ``obj`` is what a blocked name denotes in a module already imported (a module not imported cannot
     have handed its objects to anyone, so this never imports)."""
-    for module_name, name in BLOCKED_NAMES:
-        module = sys.modules.get(module_name)
-        if module is not None and getattr(module, name, None) is obj:
-            return True
-    return False
+    return _imported_blocked_objects().get(id(obj)) is obj
+
+
+_BLOCKED_SEEN: dict[int, object] = {}  # id -> the blocked object itself (held, so no id is ever reused)
+_BLOCKED_SEEN_MODULES = [-1]  # len(sys.modules) when _BLOCKED_SEEN was last brought up to date
+_BLOCKED_SEEN_LOCK = threading.Lock()
+
+
+def _imported_blocked_objects() -> dict[int, object]:
+    """The objects blocked names denote in the modules imported so far, refreshed when more are imported."""
+    if len(sys.modules) != _BLOCKED_SEEN_MODULES[0]:
+        with _BLOCKED_SEEN_LOCK:
+            _BLOCKED_SEEN_MODULES[0] = len(sys.modules)
+            for module_name, name in BLOCKED_NAMES:
+                module = sys.modules.get(module_name)
+                found = getattr(module, name, None) if module is not None else None
+                if found is not None:
+                    _BLOCKED_SEEN[id(found)] = found
+    return _BLOCKED_SEEN
 
 
 def format_global(pair: tuple[str, str]) -> str:

@@ -580,6 +580,8 @@ def _items(value: Any, where: str) -> list[Any] | tuple[Any, ...]:
 def safe_ordered_dict(items: Any = ()) -> collections.OrderedDict[Any, Any]:
     """``collections.OrderedDict([(key, value), ...])``: pairs of plain data, or nothing (pickle fills an
     OrderedDict with SETITEMS)."""
+    if type(items) is tuple and not items:  # how pickle writes every OrderedDict (a module has a dozen): fast
+        return collections.OrderedDict()
     return collections.OrderedDict(_pairs(items, "collections:OrderedDict"))
 
 
