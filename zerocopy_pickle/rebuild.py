@@ -22,6 +22,7 @@ from .errors import UnsafeArgumentError
 
 __all__ = [
     "StorageBuilder",
+    "empty_tensor",
     "rebuild_meta_storage",
     "rebuild_storage",
     "rebuild_tensor",
@@ -80,6 +81,17 @@ def rebuild_storage(buffer: Any, location: str) -> torch.UntypedStorage:
 _PROTOTYPES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
+def empty_tensor(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor of ``dtype`` on ``device``, to ``set_`` onto a storage: ``prototype.new()`` of a cached
+    prototype is cheaper than ``torch.empty()`` (and ignores the default device); the hot path of a load with
+    thousands of tensors."""
+    try:
+        prototype = _PROTOTYPES[dtype, device]
+    except KeyError:
+        prototype = _PROTOTYPES[dtype, device] = torch.empty(0, dtype=dtype, device=device)
+    return prototype.new()
+
+
 def rebuild_tensor(
     storage: torch.UntypedStorage,
     dtype: torch.dtype,
@@ -89,14 +101,7 @@ def rebuild_tensor(
     requires_grad: bool,
 ) -> torch.Tensor:
     """A dense tensor as a view of ``storage`` (``Tensor.set_`` checks the view fits in it)."""
-    device = storage.device
-    try:
-        prototype = _PROTOTYPES[dtype, device]
-    except KeyError:
-        prototype = _PROTOTYPES[dtype, device] = torch.empty(0, dtype=dtype, device=device)
-    # prototype.new(): an empty tensor of the prototype's dtype and device (whatever the default device is),
-    # cheaper to make than torch.empty(); the hot path of a load with thousands of tensors.
-    tensor = prototype.new()
+    tensor = empty_tensor(dtype, storage.device)
     tensor.set_(storage, storage_offset, size, stride)
     if requires_grad:
         tensor.requires_grad_(True)

@@ -153,7 +153,6 @@ def _requires_grad(flag: Any, dtype: torch.dtype, where: str) -> bool:
 
 _UNTYPED = torch.UntypedStorage
 _DTYPE = torch.dtype
-_PROTOTYPES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _exact_ints(values: tuple[Any, ...]) -> bool:
@@ -167,12 +166,7 @@ def _set_view(
     where: str, storage: torch.UntypedStorage, dtype: torch.dtype, offset: int, size: tuple[int, ...], stride: Any
 ) -> torch.Tensor:
     """A tensor over ``storage``; torch's ``set_`` checks that the view fits, this checks its proportion."""
-    device = storage.device
-    try:
-        prototype = _PROTOTYPES[dtype, device]
-    except KeyError:
-        prototype = _PROTOTYPES[dtype, device] = torch.empty(0, dtype=dtype, device=device)
-    tensor = prototype.new()
+    tensor = rebuild.empty_tensor(dtype, storage.device)
     try:
         tensor.set_(storage, offset, size, stride)
     except RuntimeError:
