@@ -16,7 +16,8 @@ graph (the archive holds its own copy of every tensor the module owns).
 Loading a TorchScript archive runs TorchScript code (``__setstate__`` methods) and torch's C++ unpickler on
 the archive's bytes, and TorchScript can read and write files (``torch.from_file(..., shared=True)``) without
 any Python. So the rebuild functions are **not** declared safe globals: only ``trusted=True`` loads (or an
-explicit ``allow=``) accept a snapshot holding TorchScript. See ``docs/quirks.md``.
+explicit ``allow=[zp.allow_function(...)]`` of its rebuild functions) accept a snapshot holding TorchScript.
+See ``docs/quirks.md``.
 """
 
 from __future__ import annotations

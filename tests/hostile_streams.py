@@ -16,6 +16,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
+import zerocopy_pickle as zp
 from zerocopy_pickle import format as fmt
 from zerocopy_pickle.registry import default_registry
 from zerocopy_pickle.restricted import safe_globals
@@ -139,6 +140,16 @@ def as_snapshot(stream: bytes, buffers: Sequence[bytes] = (), plugins: Sequence[
         out += bytes(start - len(out))
         out += data
     return bytes(out)
+
+
+def naming(data: bytes, *plugins: str) -> bytes:
+    """The snapshot ``data`` (from ``zp.dumps``) with ``plugins`` listed in its header, as a plugin's own snapshots
+    list it: only the plugins a header names contribute safe globals to a restricted load. A stream that calls a
+    plugin's safe global is hostile only if its header names the plugin; otherwise it is refused earlier."""
+    header = zp.read_header(data)
+    stream = data[header.stream_offset : header.stream_offset + header.stream_nbytes]
+    buffers = [data[start:stop] for start, stop in map(header.buffer_range, range(len(header.buffers)))]
+    return as_snapshot(stream, buffers, [(name, "zerocopy-pickle") for name in plugins])
 
 
 def storage(index: int = 0) -> Op:

@@ -20,6 +20,7 @@ import zerocopy_pickle as zp
 from zerocopy_pickle.testing import ReducerConformance
 
 from .conftest import REPO, region_of, run_python
+from .hostile_streams import naming
 
 pytest.importorskip("bitsandbytes")
 
@@ -510,7 +511,7 @@ def test_rebuild_quant_state_never_resolves_stream_names() -> None:
         with pytest.raises(zp.UnsafeArgumentError):
             bnb.rebuild_quant_state(stats, layout)
         with pytest.raises(zp.SnapshotError):  # and through a restricted load of a stream that calls it so
-            zp.loads(zp.dumps(Reduce(bnb.rebuild_quant_state, stats, layout)))
+            zp.loads(naming(zp.dumps(Reduce(bnb.rebuild_quant_state, stats, layout)), "bitsandbytes"))
 
 
 def test_hostile_streams_calling_the_rebuilds_are_refused(tmp_path: Path) -> None:
@@ -529,13 +530,15 @@ def test_hostile_streams_calling_the_rebuilds_are_refused(tmp_path: Path) -> Non
     ]
     for fn, *args in calls:
         with pytest.raises(zp.SnapshotError):
-            zp.loads(zp.dumps(Reduce(fn, *args)))
+            zp.loads(naming(zp.dumps(Reduce(fn, *args)), "bitsandbytes"))
     # A class the caller allowed is still checked against the family the rebuild builds.
     with pytest.raises(zp.SnapshotError, match="not a subclass"):
-        zp.loads(zp.dumps(Reduce(bnb.rebuild_bnb_module, torch.nn.Linear)), allow=[torch.nn.Linear])
+        hostile = naming(zp.dumps(Reduce(bnb.rebuild_bnb_module, torch.nn.Linear)), "bitsandbytes")
+        zp.loads(hostile, allow=[torch.nn.Linear])
     layer = Reduce(bnb.rebuild_bnb_module, "Linear4bit")
     with pytest.raises(zp.SnapshotError, match="shadow"):
-        zp.loads(zp.dumps(Reduce(bnb.set_bnb_module_state, layer, ({"forward": None}, False, [], None))))
+        shadowing = Reduce(bnb.set_bnb_module_state, layer, ({"forward": None}, False, [], None))
+        zp.loads(naming(zp.dumps(shadowing), "bitsandbytes"))
 
 
 def test_declares_only_validating_functions() -> None:

@@ -26,6 +26,7 @@ from zerocopy_pickle.testing import ReducerConformance
 from zerocopy_pickle.testing import assert_same as assert_same_graph
 
 from .conftest import REPO
+from .hostile_streams import naming
 
 BACKENDS = ("pickle", "auto", "cloudpickle", "dill")
 
@@ -535,7 +536,7 @@ def test_hostile_calls_of_the_safe_globals_are_refused() -> None:
     ]
     for call in calls:
         with pytest.raises(zp.SnapshotError):
-            zp.loads(zp.dumps(call))
+            zp.loads(naming(zp.dumps(call), "runtime-objects"))
 
 
 def test_barrier_with_an_action_loads_trusted_only() -> None:
