@@ -141,9 +141,16 @@ BLOCKED_NAMES = frozenset(
 )  # fmt: skip
 
 
+@functools.lru_cache(maxsize=4096)
 def _module_blocked(module: str) -> bool:
     parts = module.split(".")
     return any(".".join(parts[:i]) in BLOCKED_MODULES for i in range(1, len(parts) + 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _name_blocked(pair: tuple[str, str]) -> bool:
+    module, qualname = pair
+    return pair in BLOCKED_NAMES or _module_blocked(module) or (module, qualname.split(".")[0]) in BLOCKED_NAMES
 
 
 @functools.lru_cache(maxsize=1)
@@ -163,8 +170,7 @@ def _blocked_objects() -> frozenset[int]:
 
 def is_blocked(pair: tuple[str, str], obj: object = None) -> bool:
     """Whether a global can never be allowed: by its name, or (when resolved) by what it is."""
-    module, qualname = pair
-    if pair in BLOCKED_NAMES or _module_blocked(module) or (module, qualname.split(".")[0]) in BLOCKED_NAMES:
+    if _name_blocked(pair):
         return True
     if obj is not None:
         if id(obj) in _blocked_objects() or _is_blocked_object(obj):
