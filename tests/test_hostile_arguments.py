@@ -152,6 +152,17 @@ def test_a_plugin_safe_global_needs_its_plugin_in_the_header() -> None:
         zp.loads(_naming(plugin, Reduce(fn)))
 
 
+def test_a_plugin_safe_global_named_in_allow_too_stays_callable() -> None:
+    """allow= admits functions as values only; a plugin's declared safe global that allow= also names (as a
+    scan of the snapshot would list it) is still the plugin's callable, checked function."""
+    where, fn, plugin = _quirk_safe_globals()[0]
+    data = _naming(plugin, Reduce(fn))
+    with contextlib.suppress(zp.UnsafeArgumentError, zp.SnapshotError):  # its own checks may refuse no arguments
+        zp.loads(data, allow=[where])  # never "admits as a value only"
+    with pytest.raises(zp.RestrictedLoadError, match="as a value only"):
+        zp.loads(as_snapshot(pickle.dumps(Reduce(fn), protocol=5)), allow=[where])  # header without the plugin
+
+
 @pytest.mark.parametrize("pair", sorted(safe_table()), ids=lambda pair: f"{pair[0]}:{pair[1]}")
 def test_builtin_safe_globals_refuse_hostile_arguments(pair: tuple[str, str]) -> None:
     """Every callable of the built-in safe set, called with hostile arguments (the conformance suite's checker)."""

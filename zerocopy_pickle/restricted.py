@@ -338,22 +338,7 @@ class AllowList:
         else:
             if is_blocked(pair):
                 raise _blocked_error(pair)
-            if pair in self._allowed:
-                obj = self._allowed[pair]
-                if obj is None:
-                    obj = _resolve(*pair)
-                if is_blocked(pair, obj):
-                    raise _blocked_error(pair)
-                if isinstance(obj, type):
-                    use = _CLASS
-                elif pair in self._functions:
-                    if not callable(obj):
-                        raise ArgumentError(f"allow_function({format_global(pair)!r}) names a non-callable object")
-                    use = _FUNCTION
-                else:
-                    use = _VALUE
-                result = (obj, use)
-            elif pair in self._extra:
+            if pair in self._extra:  # a plugin's function stays callable even if allow= names it too
                 obj = self._extra[pair]
                 if obj is None:
                     try:
@@ -372,6 +357,21 @@ class AllowList:
                         refused=pair,
                     )
                 result = (obj, _FUNCTION)
+            elif pair in self._allowed:
+                obj = self._allowed[pair]
+                if obj is None:
+                    obj = _resolve(*pair)
+                if is_blocked(pair, obj):
+                    raise _blocked_error(pair)
+                if isinstance(obj, type):
+                    use = _CLASS
+                elif pair in self._functions:
+                    if not callable(obj):
+                        raise ArgumentError(f"allow_function({format_global(pair)!r}) names a non-callable object")
+                    use = _FUNCTION
+                else:
+                    use = _VALUE
+                result = (obj, use)
             else:
                 raise RestrictedLoadError(
                     f"refusing to load global {format_global(pair)!r}: it is not on this load's allow-list",
