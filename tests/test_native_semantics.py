@@ -163,17 +163,17 @@ def test_tensor_pickles_agree(analyzer: Analyzer, protocol: int) -> None:
 def test_uses_agrees_between_backends() -> None:
     stream = zerocopy_stream(OBJECTS["tied-net"])
     with native._use("python"):
-        semantics._CACHE.clear()
+        semantics.forget()
         expected = semantics.uses(stream)
     try:
         with native._use("native"):
-            semantics._CACHE.clear()
+            semantics.forget()
             assert semantics.uses(stream) == expected
     except native.NativeBuildError:
         if _toolchain_missing() is None:
             raise
     finally:
-        semantics._CACHE.clear()
+        semantics.forget()
 
 
 @pytest.mark.parametrize("backend", ["python", "native"])
@@ -182,11 +182,11 @@ def test_uses_refusals_carry_the_python_message(backend: str, analyzer: Analyzer
     messages = []
     for name in ("python", backend):
         with native._use(name):
-            semantics._CACHE.clear()
+            semantics.forget()
             with pytest.raises(RestrictedLoadError) as info:
                 semantics.uses(stream)
             messages.append(str(info.value))
-    semantics._CACHE.clear()
+    semantics.forget()
     assert messages[0] == messages[1]
     assert "a second BUILD" in messages[0]
 

@@ -32,9 +32,6 @@ the stream's bytes alone, so :func:`uses` remembers it by the stream's BLAKE2b d
 
 from __future__ import annotations
 
-import hashlib
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -488,9 +485,7 @@ def _from_native(payload: tuple[Any, ...]) -> StreamUses:
 # contains it is checked. The native twin (csrc/, analyze_stream) reproduces these choices exactly.
 
 
-_CACHE: OrderedDict[bytes, StreamUses] = OrderedDict()
-_CACHE_MAX = 512
-_CACHE_LOCK = threading.Lock()
+_ANALYSED: streamcheck.DigestCache[StreamUses] = streamcheck.DigestCache()
 
 
 def uses(stream: bytes) -> StreamUses:
@@ -509,24 +504,17 @@ def uses(stream: bytes) -> StreamUses:
     Raises:
         SnapshotError, RestrictedLoadError: as the two checks do.
     """
-    digest = hashlib.blake2b(stream, digest_size=32).digest()
-    with _CACHE_LOCK:
-        known = _CACHE.get(digest)
-        if known is not None:
-            _CACHE.move_to_end(digest)
-            return known
-    result = _native_uses(stream)
-    if result is None:
-        streamcheck.check_stream(stream)
-        result = analyze(stream)
-    with _CACHE_LOCK:
-        _CACHE[digest] = result
-        if len(_CACHE) > _CACHE_MAX:
-            _CACHE.popitem(last=False)
-    return result
+    return _ANALYSED.get(stream, lambda: _analysed(stream))
+
+
+def _analysed(stream: bytes) -> StreamUses:
+    found = _native_uses(stream)  # None when the helper is not active or has a verdict the Python twin must word
+    if found is not None:
+        return found
+    streamcheck.check_stream(stream)
+    return analyze(stream)
 
 
 def forget() -> None:
     """Drop every remembered analysis (benchmarks use it to time a stream's first restricted load)."""
-    with _CACHE_LOCK:
-        _CACHE.clear()
+    _ANALYSED.clear()

@@ -22,11 +22,22 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from .errors import SnapshotError
 
-__all__ = ["DYNAMIC", "MAX_MARKS", "MAX_STACK", "StreamFacts", "check_stream", "validated", "walk_stream"]
+__all__ = [
+    "DYNAMIC",
+    "MAX_MARKS",
+    "MAX_STACK",
+    "DigestCache",
+    "StreamFacts",
+    "check_stream",
+    "validated",
+    "walk_stream",
+]
 
 MAX_STACK = 1 << 20
 """Deepest unpickler stack accepted. Picklers batch container items by the thousand; 1M is far beyond any
@@ -398,28 +409,49 @@ def check_stream(stream: bytes | bytearray | memoryview) -> int:
 
 
 _POP_MARK = ord("1")
-_VALIDATED: OrderedDict[bytes, int] = OrderedDict()
-_VALIDATED_MAX = 512
-_VALIDATED_LOCK = threading.Lock()
+T = TypeVar("T")
+
+
+class DigestCache(Generic[T]):
+    """Verdicts on streams, remembered by each stream's BLAKE2b digest (least recently used first out).
+
+    A digest, not a file name, so a changed stream is always checked again; a cryptographic one, so no stream
+    can pose as a checked one. Thread-safe; the verdict is computed outside the lock.
+    """
+
+    def __init__(self, size: int = 512) -> None:
+        self._entries: OrderedDict[bytes, T] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def get(self, stream: bytes | bytearray | memoryview, compute: Callable[[], T]) -> T:
+        """The remembered verdict on ``stream``, or ``compute()``'s (remembered if it returns)."""
+        digest = hashlib.blake2b(stream, digest_size=32).digest()
+        with self._lock:
+            known = self._entries.get(digest)
+            if known is not None:
+                self._entries.move_to_end(digest)
+                return known
+        result = compute()
+        with self._lock:
+            self._entries[digest] = result
+            if len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+        return result
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_VALIDATED: DigestCache[int] = DigestCache()
 
 
 def validated(stream: bytes | bytearray | memoryview) -> int:
     """:func:`check_stream`, remembered by the stream's BLAKE2b digest: loading the same snapshot again (the
-    common case) costs a hash of its stream (tens of microseconds), not a walk. A digest, not a file name, so a
-    changed stream is always checked; a cryptographic one, so no stream can pose as a checked one.
+    common case) costs a hash of its stream (tens of microseconds), not a walk (see :class:`DigestCache`).
 
     Returns:
         The number of ``NEXT_BUFFER`` opcodes.
     """
-    digest = hashlib.blake2b(stream, digest_size=32).digest()
-    with _VALIDATED_LOCK:
-        known = _VALIDATED.get(digest)
-        if known is not None:
-            _VALIDATED.move_to_end(digest)
-            return known
-    buffers = check_stream(stream)
-    with _VALIDATED_LOCK:
-        _VALIDATED[digest] = buffers
-        if len(_VALIDATED) > _VALIDATED_MAX:
-            _VALIDATED.popitem(last=False)
-    return buffers
+    return _VALIDATED.get(stream, lambda: check_stream(stream))
