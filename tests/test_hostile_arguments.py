@@ -16,6 +16,7 @@ import torch
 
 import zerocopy_pickle as zp
 from zerocopy_pickle import validate
+from zerocopy_pickle.rebuild import StorageBuilder
 from zerocopy_pickle.registry import default_registry
 from zerocopy_pickle.safeglobals import safe_table
 from zerocopy_pickle.testing import check_hostile_arguments, hostile_values
@@ -169,6 +170,12 @@ def test_builtin_safe_globals_refuse_hostile_arguments(pair: tuple[str, str]) ->
     entry = safe_table()[pair]
     if entry.callable:
         check_hostile_arguments(entry.value, f"{pair[0]}:{pair[1]}", random_tuples=100)  # type: ignore[arg-type]
+
+
+def test_the_loads_storage_builder_refuses_hostile_arguments() -> None:
+    """``zerocopy_pickle.rebuild:rebuild_storage`` is not in the safe table: a restricted load resolves it to its own
+    StorageBuilder, which a stream calls with arguments of its choosing too."""
+    check_hostile_arguments(StorageBuilder(None), "zerocopy_pickle.rebuild:rebuild_storage", random_tuples=100)
 
 
 @pytest.mark.parametrize("pair", _quirk_safe_globals(), ids=lambda pair: pair[0] if isinstance(pair, tuple) else "")
