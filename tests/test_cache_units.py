@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -137,8 +136,13 @@ def test_key_follows_file_changes(tmp_path: Path) -> None:
     point = "torch.serialization:load"
     first = describe(point, None, (str(checkpoint),), {})["key"]
     assert describe(point, None, (str(checkpoint),), {})["key"] == first  # stable
-    time.sleep(0.01)
-    weights.write_bytes(b"two")  # same size, new mtime
+    before = weights.stat()
+    weights.write_bytes(b"two")  # same size, same inode
+    # The key is each file's size, mtime and inode, never its bytes: with the mtime put back, the same key.
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert describe(point, None, (str(checkpoint),), {})["key"] == first
+    # A new mtime, set rather than waited for (a file system's timestamp granularity can be coarse).
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
     assert describe(point, None, (str(checkpoint),), {})["key"] != first
     assert describe(point, None, (str(checkpoint),), {"mmap": True})["key"] != first
 

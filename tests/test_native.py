@@ -19,7 +19,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,8 +147,7 @@ def test_native_builder_refuses_read_only_and_non_contiguous(native_storage: nat
 
 
 @pytest.mark.parametrize("make", [bytearray, lambda: memoryview(_anonymous(4096))[100:100], lambda: b""])
-def test_zero_length_buffers(backend: str, make: object) -> None:
-    assert callable(make)
+def test_zero_length_buffers(backend: str, make: Callable[[], Any]) -> None:
     storage = storage_from_buffer(make())
     assert storage.nbytes() == 0
     assert storage.device == torch.device("cpu")
@@ -311,9 +310,10 @@ def test_no_crash_after_dropping_every_other_reference(
 
 def test_native_storages_alive_at_interpreter_exit(native_built: Path, tmp_path: Path) -> None:
     """Storages still alive when the interpreter shuts down (globals, a reference cycle, a daemon thread's
-    frame) release or leak their exports quietly: no crash, no hang, no error output."""
+    frame) release or leak their exports quietly: no crash, no hang, no error output. The daemon thread says when
+    it holds its load (an Event), then blocks for good: the interpreter exits under it, never a race with it."""
     code = """
-    import mmap, sys, threading, time, torch, zerocopy_pickle as zp
+    import mmap, sys, threading, torch, zerocopy_pickle as zp
     from zerocopy_pickle import native
     assert native.backend() == "native"
     zp.dump({"t": torch.arange(1000)}, sys.argv[1])
@@ -321,15 +321,17 @@ def test_native_storages_alive_at_interpreter_exit(native_built: Path, tmp_path:
     m = mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE)
     cycle = {"storage": native.storage_builder()(m)}
     cycle["self"] = cycle
+    holding, never = threading.Event(), threading.Event()
     def hold():
         local = zp.load(sys.argv[1])
-        time.sleep(60)
+        holding.set()
+        never.wait()  # alive, with the load in its frame, when the interpreter shuts down
     threading.Thread(target=hold, daemon=True).start()
-    time.sleep(0.5)
-    print("exiting", int(kept["t"].sum()))
+    assert holding.wait(timeout=60), "the daemon thread never loaded"  # a bound on a hang, not a delay
+    print("exiting", int(kept["t"].sum()), int(sum(t.is_alive() for t in threading.enumerate())))
     """
     proc = run_python(code, str(tmp_path / "x.zcp"), env={native.ENV: "native"}, timeout=120)
-    assert proc.stdout.split() == ["exiting", str(sum(range(1000)))]
+    assert proc.stdout.split() == ["exiting", str(sum(range(1000))), "2"]  # the main thread and the holder
     assert not any(word in proc.stderr for word in ("Traceback", "Fatal", "Error", "exception")), proc.stderr
 
 
