@@ -12,7 +12,6 @@ function's ``__defaults__`` are replaced, the interpreter segfaults) or the load
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import sys
@@ -533,8 +532,7 @@ def test_plugin_load_hook_does_not_run_for_a_header_that_names_it(tmp_path: Path
             assert not calls, "a restricted load ran a plugin's load hook named by the snapshot's header"
         # The same header on a stream that loads fine: still no hook.
         data = as_snapshot(program({"ok": 1}), plugins=[(name, name)])
-        with contextlib.suppress(zp.ZeroCopyPickleError):
-            zp.loads(data)
+        assert zp.loads(data) == {"ok": 1}
         assert not calls, "a restricted load ran a plugin's load hook named by the snapshot's header"
     finally:
         registry.remove_plugin(name)
