@@ -181,7 +181,6 @@ def test_plugin_is_recorded_and_its_safe_globals_allowed(clean: Registry) -> Non
         registrar.register_reducer(Shape, reduce_named_shape)
         registrar.add_safe_globals(rebuild_named_shape)
         registrar.set_load_hook(lambda: hook_calls.append(1))
-        registrar.add_patch_point("some.module:Pipeline.from_pretrained")
 
     clean.add_plugin("test-shapes", register, package="zcp-test-shapes")
     data = zp.dumps([Shape(2), Square(3)])
@@ -190,8 +189,25 @@ def test_plugin_is_recorded_and_its_safe_globals_allowed(clean: Registry) -> Non
     assert [s.sides for s in loaded] == [2, 3] and type(loaded[1]) is Square
     assert hook_calls == []  # a restricted load runs no load hook
     assert clean.safe_globals(plugins=["test-shapes"]) == {(__name__, "rebuild_named_shape"): None}
-    assert ("test-shapes", "some.module:Pipeline.from_pretrained") in clean.patch_points()
     assert clean.plugins()["test-shapes"].state == "registered"
+
+
+def test_a_plugins_registration_is_only_what_its_registrar_receives(clean: Registry) -> None:
+    """No ambient "current plugin": the module-level API inside ``register`` registers for the program, not the
+    plugin, and an entry-point module without a ``register`` function is a failed plugin, not an empty one."""
+
+    def register(registrar: zp.Registrar) -> None:
+        zp.register_reducer(Shape, reduce_shape)
+        registrar.register_reducer(Square, reduce_square)
+
+    clean.add_plugin("test-explicit", register)
+    table = clean.reducers()
+    assert table[f"{__name__}:Shape"].plugin is None
+    assert table[f"{__name__}:Square"].plugin == "test-explicit"
+    clean.remove_plugin("test-explicit")
+    assert f"{__name__}:Square" not in clean.reducers() and f"{__name__}:Shape" in clean.reducers()
+    with pytest.raises(zp.PluginError, match="has no register"):
+        clean.add_plugin("test-no-register", types.ModuleType("zcp_no_register"))  # type: ignore[arg-type]
 
 
 def test_snapshot_needing_a_missing_plugin(clean: Registry) -> None:
