@@ -15,6 +15,7 @@ PUBLIC = {
     "dump", "load", "dumps", "loads", "freeze", "scan", "Snapshot", "ZeroCopyPickler", "ZeroCopyUnpickler",
     "ZeroCopyPickleError", "SnapshotError", "DumpError", "RestrictedLoadError", "DeviceError", "ArgumentError",
     "PluginError", "PluginWarning", "Reducer", "Registrar", "register_reducer", "unregister_reducer", "reducers",
+    "Registry", "default_registry",
     "BACKENDS", "read_header", "IntegrityError", "Unpicklable",
     "UnsafeArgumentError", "allow_function", "__version__",
 }  # fmt: skip

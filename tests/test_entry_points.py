@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle.registry import DISABLE_ENV, default_registry
+from zerocopy_pickle.plugin import Registry, default_registry
+from zerocopy_pickle.registry import DISABLE_ENV
 from zerocopy_pickle.testing import ReducerConformance
 
 from .conftest import REPO, InstalledPlugins, install_example_plugins, run_python
@@ -104,7 +105,7 @@ def test_disabled_by_environment(example_plugins: InstalledPlugins, tmp_path: Pa
 
 
 def test_rediscover_after_install_at_run_time(tmp_path: Path) -> None:
-    registry = default_registry()
+    registry = Registry()  # a private one, discovering on its own: the process's registry is left alone
     assert "example" not in registry.plugins()
     site = install_example_plugins(tmp_path / "site", broken=False)
     sys.path.insert(0, str(site))
@@ -121,6 +122,7 @@ def test_rediscover_after_install_at_run_time(tmp_path: Path) -> None:
             sys.modules.pop(module, None)
         registry.rediscover()
     assert "example" not in registry.plugins()
+    assert "example" not in default_registry().plugins()
 
 
 def test_cache_patch_points_come_from_their_own_group(example_plugins: InstalledPlugins, tmp_path: Path) -> None:

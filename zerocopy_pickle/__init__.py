@@ -33,7 +33,16 @@ from .errors import (
     UnsafeArgumentError,
     ZeroCopyPickleError,
 )
-from .registry import PluginWarning, Reducer, Registrar, reducers, register_reducer, unregister_reducer
+from .registry import (
+    PluginWarning,
+    Reducer,
+    Registrar,
+    Registry,
+    default_registry,
+    reducers,
+    register_reducer,
+    unregister_reducer,
+)
 
 if TYPE_CHECKING:
     from .pickler import ZeroCopyPickler, ZeroCopyUnpickler
@@ -74,6 +83,7 @@ __all__ = [
     "PluginWarning",
     "Reducer",
     "Registrar",
+    "Registry",
     "RestrictedLoadError",
     "Snapshot",
     "SnapshotError",
@@ -84,6 +94,7 @@ __all__ = [
     "ZeroCopyUnpickler",
     "__version__",
     "allow_function",
+    "default_registry",
     "dump",
     "dumps",
     "freeze",
