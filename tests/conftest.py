@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from zerocopy_pickle import format as fmt
-from zerocopy_pickle.registry import default_registry
+from zerocopy_pickle.plugin import default_registry
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle.plugin import Registry, default_registry
-from zerocopy_pickle.registry import DISABLE_ENV
+from zerocopy_pickle.plugin import DISABLE_ENV, Registry, default_registry
 from zerocopy_pickle.testing import ReducerConformance
 
 from .conftest import REPO, InstalledPlugins, install_example_plugins, run_python

@@ -20,6 +20,8 @@ What is here:
 * errors a reducer or rebuild function raises: :class:`Unpicklable` (refuse to pickle an object, with a
   message), :class:`DumpError`, :class:`SnapshotError`, :class:`UnsafeArgumentError`, :class:`DeviceError`,
   :class:`PluginError`, :class:`ArgumentError`; :class:`PluginWarning`;
+* names: :data:`ENTRY_POINT_GROUP` (``"zerocopy_pickle.plugins"``), :data:`DISABLE_ENV` (the environment
+  variable that disables plugins by name);
 * helpers: :func:`jit_load_from_buffer` (a TorchScript archive from a bytes-like object, read in place by the
   native helpers when they are active).
 
@@ -35,7 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .declarations import PluginInfo, check_safe_global
-from .discovery import ENTRY_POINT_GROUP, PluginWarning
+from .discovery import DISABLE_ENV, ENTRY_POINT_GROUP, PluginWarning
 from .errors import (
     ArgumentError,
     DeviceError,
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from . import validate
 
 __all__ = [
+    "DISABLE_ENV",
     "ENTRY_POINT_GROUP",
     "ArgumentError",
     "DeviceError",
