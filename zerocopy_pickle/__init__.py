@@ -13,6 +13,11 @@ Quick start::
 
 Loading is restricted by default: only tensors, containers and primitives. Allow more per call with
 ``allow=[MyClass, "module:qualname"]``, or ``trusted=True`` for snapshots you trust.
+
+The public modules are this namespace, :mod:`zerocopy_pickle.plugin` (for plugins), :mod:`zerocopy_pickle.testing`
+(their conformance suite), :mod:`zerocopy_pickle.validate` (argument checks for rebuild functions),
+:mod:`zerocopy_pickle.errors` and :mod:`zerocopy_pickle.cache`. Every other module is internal (its docstring
+starts with "Internal:") and may change without notice.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The public API: ``dump``/``load`` on paths and files, ``dumps``/``loads`` on bytes, ``freeze`` and
-:class:`Snapshot` on memfds, and ``scan``.
+"""Internal: the public API's implementation (re-exported by ``zerocopy_pickle``): ``dump``/``load`` on paths
+and files, ``dumps``/``loads`` on bytes, ``freeze`` and :class:`Snapshot` on memfds, and ``scan``.
 
 Dump: the object graph goes through :class:`~zerocopy_pickle.pickler.ZeroCopyPickler`, whose buffer
 callback only *collects* each storage's memory; then :func:`~zerocopy_pickle.format.encode` lays the

@@ -1,4 +1,5 @@
-"""Loading misses: a zygote that imported torch and the model libraries once, and a short-lived child per miss.
+"""Internal: loading misses: a zygote that imported torch and the model libraries once, and a short-lived child
+per miss.
 
 Importing torch, transformers and diffusers takes seconds; paying it on every miss would make a first load
 several times slower than loading without the cache. So the server starts one *zygote* process that imports

@@ -1,4 +1,4 @@
-"""Routing loaders through the cache: ``from_pretrained`` of diffusers and transformers, ``torch.load``,
+"""Internal: routing loaders through the cache: ``from_pretrained`` of diffusers and transformers, ``torch.load``,
 ``safetensors.torch.load_file``, and every patch point installed packages declare
 (:mod:`zerocopy_pickle.cache.points`).
 

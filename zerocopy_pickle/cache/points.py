@@ -1,4 +1,4 @@
-"""The model cache's patch points: the loaders it routes through itself, built in and declared by packages.
+"""Internal: the model cache's patch points: the loaders it routes through itself, built in and declared by packages.
 
 A patch point is ``"module:Class.method"`` (a classmethod, called on any subclass) or ``"module:function"``.
 Besides :data:`DEFAULT_PATCH_POINTS`, any installed distribution may declare more through the entry-point group
