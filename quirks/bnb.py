@@ -58,6 +58,8 @@ import torch
 
 from zerocopy_pickle.plugin import Registrar, Unpicklable, validate
 
+fail = validate.fail
+
 # The rebuild functions and state setters below are named by every snapshot that used this quirk
 # (``zerocopy_pickle_quirks.bnb:<name>``): never rename or move one, nor change the meaning of its arguments.
 __all__ = [
@@ -137,7 +139,7 @@ def _class_arg(cls: object, names: tuple[str, ...], base: str, where: str) -> An
         validate.expect_choice(cls, names, where, "class name")
         return getattr(_bnb_nn(), cls)
     if type(cls) is not type:
-        validate.fail(where, f"the class must be a name from {list(names)} or a class, not {type(cls).__qualname__}")
+        fail(where, f"the class must be a name from {list(names)} or a class, not {type(cls).__qualname__}")
     return validate.expect_class(cls, getattr(_bnb_nn(), base), where, "the class")
 
 
@@ -153,7 +155,7 @@ def _check_new_attribute(cls: type, name: object, where: str) -> str:
     validate.expect_str(name, where, "attribute name", max_len=256)
     assert isinstance(name, str)
     if not name.isidentifier() or name.startswith("__") or hasattr(cls, name):
-        validate.fail(where, f"refusing to set attribute {name[:80]!r} on a {cls.__name__}")
+        fail(where, f"refusing to set attribute {name[:80]!r} on a {cls.__name__}")
     return name
 
 
@@ -201,24 +203,22 @@ def _plain_stats(stats: dict[str, Any], where: str) -> dict[str, Any]:
     ``_MAX_BLOB`` bytes, decoded here, never by bitsandbytes), or given as plain entries."""
     blobs = [key for key in _PACKED_KEYS if key in stats]
     if len(blobs) > 1:
-        validate.fail(where, f"the statistics hold {len(blobs)} packed blobs")
+        fail(where, f"the statistics hold {len(blobs)} packed blobs")
     plain = {key: stats[key] for key in _PLAIN_STATS if key in stats}
     if blobs:
         blob = validate.expect_tensor(stats[blobs[0]], where, blobs[0], dtype=torch.uint8, dim=1)
         if blob.numel() > _MAX_BLOB or blob.device.type == "meta":
-            validate.fail(
-                where, f"{blobs[0]} is {blob.numel()} bytes on {blob.device} (at most {_MAX_BLOB}, with data)"
-            )
+            fail(where, f"{blobs[0]} is {blob.numel()} bytes on {blob.device} (at most {_MAX_BLOB}, with data)")
         try:
             decoded = json.loads(bytes(blob.cpu().contiguous().numpy().tobytes()).decode("utf-8"))
         except (ValueError, RecursionError) as e:
-            validate.fail(where, f"{blobs[0]} is not JSON: {e}")
+            fail(where, f"{blobs[0]} is not JSON: {e}")
         validate.expect_keys(decoded, frozenset(_PLAIN_STATS), where, blobs[0])
         if plain:
-            validate.fail(where, f"the statistics hold both a packed blob and the entries {sorted(plain)}")
+            fail(where, f"the statistics hold both a packed blob and the entries {sorted(plain)}")
         plain = decoded
         if plain.get("quant_type") != blobs[0].rpartition("__")[2]:
-            validate.fail(where, f"{blobs[0]} does not match its quant_type")
+            fail(where, f"{blobs[0]} does not match its quant_type")
     return plain
 
 
@@ -236,31 +236,29 @@ def _quant_state_from_record(stats: object, layout: object, where: str) -> Any:
     absmax = validate.expect_tensor(record.get("absmax"), where, "absmax", dim=1)
     code = validate.expect_tensor(record.get("quant_map"), where, "quant_map", dim=1)
     if code.numel() > _MAX_CODE:
-        validate.fail(where, f"quant_map has {code.numel()} entries (at most {_MAX_CODE})")
+        fail(where, f"quant_map has {code.numel()} entries (at most {_MAX_CODE})")
     plain = _plain_stats(record, where)
     quant_type = validate.expect_choice(plain.get("quant_type"), _QUANT_TYPES, where, "quant_type")
     blocksize = validate.expect_int(plain.get("blocksize"), where, "blocksize", 1, _MAX_BLOCKSIZE)
     dtype = validate.dtype_from_name(plain.get("dtype"), where)
     shape = _shape_of(plain.get("shape"), where)
     if math.prod(shape) > absmax.numel() * blocksize:
-        validate.fail(
-            where, f"shape {tuple(shape)} has more elements than {absmax.numel()} blocks of {blocksize} cover"
-        )
+        fail(where, f"shape {tuple(shape)} has more elements than {absmax.numel()} blocks of {blocksize} cover")
     nested_keys: list[str] = [key for key in ("nested_absmax", "nested_quant_map") if key in record]
     nested_keys += [key for key in ("nested_blocksize", "nested_dtype", "nested_offset") if key in plain]
     nested = None
     if nested_keys:
         if len(nested_keys) != 5:
-            validate.fail(where, f"nested statistics are incomplete: {sorted(nested_keys)}")
+            fail(where, f"nested statistics are incomplete: {sorted(nested_keys)}")
         nested_absmax = validate.expect_tensor(record["nested_absmax"], where, "nested_absmax", dim=1)
         nested_code = validate.expect_tensor(record["nested_quant_map"], where, "nested_quant_map", dim=1)
         if nested_code.numel() > _MAX_CODE:
-            validate.fail(where, f"nested_quant_map has {nested_code.numel()} entries (at most {_MAX_CODE})")
+            fail(where, f"nested_quant_map has {nested_code.numel()} entries (at most {_MAX_CODE})")
         nested_blocksize = validate.expect_int(plain["nested_blocksize"], where, "nested_blocksize", 1, _MAX_BLOCKSIZE)
         nested_dtype = validate.dtype_from_name(plain["nested_dtype"], where, "nested_dtype")
         nested_offset = validate.expect_float(plain["nested_offset"], where, "nested_offset")
         if absmax.numel() > nested_absmax.numel() * nested_blocksize:
-            validate.fail(where, "absmax has more entries than the nested statistics cover")
+            fail(where, "absmax has more entries than the nested statistics cover")
         nested = (nested_absmax, nested_code, nested_blocksize, nested_dtype, nested_offset)
     checked_layout = _check_layout(layout, where)
     device = absmax.device
@@ -377,23 +375,21 @@ def rebuild_params4bit(
     ``map_location`` sent it), others through the constructor. ``cls`` is ``"Params4bit"`` or a subclass."""
     where = "bitsandbytes rebuild_params4bit"
     if type(cls) not in (str, type):
-        validate.fail(where, f"the class must be a name or a class, not {type(cls).__qualname__}")
+        fail(where, f"the class must be a name or a class, not {type(cls).__qualname__}")
     data = validate.expect_tensor(data, where, "data")
     checked_attrs = _params4bit_attrs(attrs, where)
     requires_grad = validate.expect_bool(requires_grad, where, "requires_grad")
     if requires_grad and not (data.is_floating_point() or data.is_complex()):
-        validate.fail(where, f"data of dtype {data.dtype} cannot require gradients")
+        fail(where, f"data of dtype {data.dtype} cannot require gradients")
     if stats is None:
         validate.expect_keys(layout, frozenset(), where, "layout")
         klass = _class_arg(cls, _PARAM_CLASSES, "Params4bit", where)
         return klass(data, requires_grad=requires_grad, **checked_attrs)
     if not data.is_floating_point() and data.dtype is not torch.uint8:
-        validate.fail(where, f"quantized data has dtype {data.dtype}")
+        fail(where, f"quantized data has dtype {data.dtype}")
     quant_state = _quant_state_from_record(stats, layout, where)
     if math.prod(quant_state.shape) > data.nbytes * 2:
-        validate.fail(
-            where, f"shape {tuple(quant_state.shape)} has more 4-bit values than {data.nbytes} bytes of data hold"
-        )
+        fail(where, f"shape {tuple(quant_state.shape)} has more 4-bit values than {data.nbytes} bytes of data hold")
     klass = _class_arg(cls, _PARAM_CLASSES, "Params4bit", where)
     device = data.device
     # What from_prequantized does, with the QuantState built above instead of QuantState.from_dict. data stays
@@ -446,14 +442,14 @@ def rebuild_int8params(
     """An ``Int8Params`` through its constructor (which wraps ``data`` without copying it)."""
     where = "bitsandbytes rebuild_int8params"
     if type(cls) not in (str, type):
-        validate.fail(where, f"the class must be a name or a class, not {type(cls).__qualname__}")
+        fail(where, f"the class must be a name or a class, not {type(cls).__qualname__}")
     data = validate.expect_tensor(data, where, "data")
     requires_grad = validate.expect_bool(requires_grad, where, "requires_grad")
     has_fp16_weights = validate.expect_bool(has_fp16_weights, where, "has_fp16_weights")
     CB = validate.expect_optional_tensor(CB, where, "CB")
     SCB = validate.expect_optional_tensor(SCB, where, "SCB")
     if requires_grad and not (data.is_floating_point() or data.is_complex()):
-        validate.fail(where, f"data of dtype {data.dtype} cannot require gradients")
+        fail(where, f"data of dtype {data.dtype} cannot require gradients")
     klass = _class_arg(cls, _INT8_CLASSES, "Int8Params", where)
     return klass(data, requires_grad=requires_grad, has_fp16_weights=has_fp16_weights, CB=CB, SCB=SCB)
 
@@ -463,19 +459,19 @@ def set_param_state(param: Any, state: tuple[Any, dict[str, Any]]) -> None:
     attributes, set after the parameter exists so that the module can refer back to it."""
     where = "bitsandbytes set_param_state"
     if not _type_has(param, torch.Tensor):
-        validate.fail(where, f"expected a Params4bit or Int8Params, not {type(param).__qualname__}")
+        fail(where, f"expected a Params4bit or Int8Params, not {type(param).__qualname__}")
     if type(state) is not tuple or len(state) != 2:
-        validate.fail(where, "a bitsandbytes parameter's state must be a tuple (module, attributes)")
+        fail(where, "a bitsandbytes parameter's state must be a tuple (module, attributes)")
     module, extra = state
     if module is not None and not _type_has(module, torch.nn.Module):
-        validate.fail(where, f"a Params4bit's module must be a Module, not {type(module).__qualname__}")
+        fail(where, f"a Params4bit's module must be a Module, not {type(module).__qualname__}")
     extra = validate.expect_str_dict(extra, where, "attributes", max_len=256)
     nn = _bnb_nn()
     is_4bit = _type_has(param, nn.Params4bit)
     if not (is_4bit or _type_has(param, nn.Int8Params)):
-        validate.fail(where, f"expected a Params4bit or Int8Params, not {type(param).__qualname__}")
+        fail(where, f"expected a Params4bit or Int8Params, not {type(param).__qualname__}")
     if module is not None and not is_4bit:
-        validate.fail(where, "only a Params4bit has a module")
+        fail(where, "only a Params4bit has a module")
     names = [_check_new_attribute(type(param), name, where) for name in extra]
     if is_4bit:
         param.module = module
@@ -643,7 +639,7 @@ def rebuild_bnb_module(cls: str | type) -> Any:
         validate.expect(cls, type, where, "layer class")
         klass = validate.expect_class(cls, _module_bases(), where, "layer class")
     if klass.__new__ is not object.__new__:
-        validate.fail(where, f"{_type_key(klass)} defines __new__")
+        fail(where, f"{_type_key(klass)} defines __new__")
     return object.__new__(klass)
 
 
@@ -659,31 +655,31 @@ def set_bnb_module_state(module: Any, state: tuple[Any, ...]) -> None:
     filled (its ``__dict__`` is empty)."""
     where = "bitsandbytes set_bnb_module_state"
     if not _type_has(module, torch.nn.Module):
-        validate.fail(where, f"expected a bitsandbytes layer, not {type(module).__qualname__}")
+        fail(where, f"expected a bitsandbytes layer, not {type(module).__qualname__}")
     if type(state) is not tuple or len(state) != 4:
-        validate.fail(where, "a bitsandbytes layer's state must be a tuple (dict, relink, rearrange keys, hooks)")
+        fail(where, "a bitsandbytes layer's state must be a tuple (dict, relink, rearrange keys, hooks)")
     fields, relink, rearrange_keys, hooks = state
     fields = validate.expect_str_dict(fields, where, "the layer's attributes", max_len=4096)
     relink = validate.expect_bool(relink, where, "relink")
     if type(rearrange_keys) is not list or len(rearrange_keys) > 64:
-        validate.fail(where, "rearrange keys must be a list of at most 64 ints")
+        fail(where, "rearrange keys must be a list of at most 64 ints")
     keys = [validate.expect_int(key, where, "rearrange key", 0, 1 << 62) for key in rearrange_keys]
     record = None if hooks is None else _check_hooks(hooks, where)
     if not issubclass(type(module), _module_bases()):
-        validate.fail(where, f"expected a bitsandbytes Linear4bit or Linear8bitLt, not {type(module).__qualname__}")
+        fail(where, f"expected a bitsandbytes Linear4bit or Linear8bitLt, not {type(module).__qualname__}")
     if vars(module):
-        validate.fail(where, "the layer is already filled")
+        fail(where, "the layer is already filled")
     cls = type(module)
     for name in fields:
         if not name.isidentifier() or name.startswith("__"):
-            validate.fail(where, f"refusing to set attribute {name[:80]!r} on a {cls.__name__}")
+            fail(where, f"refusing to set attribute {name[:80]!r} on a {cls.__name__}")
         if name not in _MODULE_INSTANCE_OVERRIDES and hasattr(cls, name):
-            validate.fail(where, f"refusing to set attribute {name!r}, which would shadow {cls.__name__}.{name}")
+            fail(where, f"refusing to set attribute {name!r}, which would shadow {cls.__name__}.{name}")
     if type(fields.get("_parameters")) not in (dict, OrderedDict) or type(fields.get("_modules")) not in (
         dict,
         OrderedDict,
     ):
-        validate.fail(where, "the layer's _parameters and _modules must be dicts")
+        fail(where, "the layer's _parameters and _modules must be dicts")
     module.__setstate__(fields)
     if keys:
         wrapped_hook = importlib.import_module("torch.nn.modules.module")._WrappedHook
@@ -694,7 +690,7 @@ def set_bnb_module_state(module: Any, state: tuple[Any, ...]) -> None:
     if relink:
         weight = module._parameters.get("weight")
         if not _type_has(weight, _bnb_nn().Params4bit):
-            validate.fail(where, "relink needs a Params4bit weight")
+            fail(where, "relink needs a Params4bit weight")
         module.quant_state = weight.quant_state
     if record is not None:
         _attach_hooks(module, record)
@@ -721,7 +717,7 @@ def _check_device(value: object, where: str) -> Any:
     try:
         torch.device(name)
     except (RuntimeError, ValueError):
-        validate.fail(where, f"execution_device {name!r} is not a device")
+        fail(where, f"execution_device {name!r} is not a device")
     return name
 
 
@@ -730,7 +726,7 @@ def _check_hooks(record: object, where: str) -> dict[str, Any]:
     table = validate.expect_keys(record, frozenset({"hooks", "device"}), where, "accelerate hook settings")
     specs = table.get("hooks")
     if type(specs) is not list or not 1 <= len(specs) <= 16:
-        validate.fail(where, "accelerate hook settings must hold a list of 1 to 16 hooks")
+        fail(where, "accelerate hook settings must hold a list of 1 to 16 hooks")
     checked = []
     for spec in specs:
         settings = dict(validate.expect_keys(spec, _HOOK_SPEC_KEYS, where, "accelerate hook"))
@@ -742,7 +738,7 @@ def _check_hooks(record: object, where: str) -> dict[str, Any]:
         skip = settings.get("skip_keys")
         if skip is not None and type(skip) is not str:
             if type(skip) not in (list, tuple) or len(skip) > 256:
-                validate.fail(where, "skip_keys must be None, a str or a list of at most 256 str")
+                fail(where, "skip_keys must be None, a str or a list of at most 256 str")
             settings["skip_keys"] = [validate.expect_str(k, where, "skip_keys entry") for k in skip]
         checked.append(settings)
     device = table.get("device")
