@@ -2,7 +2,7 @@
 #   make demo   set up .venv and run the demo: the model cache serving a locally built ControlNet pipeline,
 #               timed against plain from_pretrained
 #   make test   set up .venv (with stable-fast, built from source) and run everything CI runs: ruff (lint +
-#               format check), mypy, pytest
+#               format check), lint-imports (import layers), mypy, pytest
 #
 # Every pip step passes constraints.txt: it pins the CPU build of torch.
 
@@ -40,6 +40,7 @@ demo: $(STAMP)
 lint: $(TESTSTAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports  # the layers of docs/design.md, no cycles, quirks on the public API ([tool.importlinter])
 
 typecheck: $(TESTSTAMP)
 	$(VENV)/bin/mypy

@@ -56,9 +56,9 @@ from typing import Any
 
 import torch
 
-import zerocopy_pickle
-from zerocopy_pickle import validate
-from zerocopy_pickle.validate import fail
+from zerocopy_pickle.plugin import Registrar, Unpicklable, validate
+
+fail = validate.fail
 
 # The rebuild functions and state setters below are named by every snapshot that used this quirk
 # (``zerocopy_pickle_quirks.bnb:<name>``): never rename or move one, nor change the meaning of its arguments.
@@ -496,7 +496,7 @@ def reduce_matmul_lt_state(state: Any) -> tuple[Any, ...]:
             f"this bitsandbytes version is not supported yet"
         )
     if fields.pop("outlier_pool", None) is not None:
-        raise zerocopy_pickle.Unpicklable(
+        raise Unpicklable(
             "a Linear8bitLt's MatmulLtState holds an outlier pool (use_pool during training), a process-wide "
             "singleton of bitsandbytes: reset it (layer.state.outlier_pool = None) before dumping"
         )
@@ -781,7 +781,7 @@ def _attach_hooks(module: Any, record: dict[str, Any]) -> None:
 # -- registration ------------------------------------------------------------------------------------------------
 
 
-def register(registry: zerocopy_pickle.Registrar) -> None:
+def register(registry: Registrar) -> None:
     """Register the bitsandbytes reducers by type name: this imports neither bitsandbytes nor accelerate."""
     registry.register_reducer(PARAMS4BIT, reduce_params4bit)
     registry.register_reducer(INT8PARAMS, reduce_int8params)

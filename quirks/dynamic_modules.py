@@ -40,7 +40,7 @@ import threading
 from collections.abc import Sequence
 from types import ModuleType
 
-import zerocopy_pickle
+from zerocopy_pickle.plugin import Registrar
 
 __all__ = ["NAMESPACES", "default_modules_cache", "modules_cache", "prepare_namespaces", "register"]
 
@@ -149,7 +149,7 @@ def prepare_namespaces(plugin: str = PLUGIN) -> None:
             sys.meta_path.append(_MissingDynamicModule(plugin))
 
 
-def register(registry: zerocopy_pickle.Registrar) -> None:
+def register(registry: Registrar) -> None:
     """Entry point of the ``dynamic-modules`` plugin: claim both namespaces and set the load hook."""
     name = registry.name
     registry.claim_modules(*NAMESPACES)

@@ -40,8 +40,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import zerocopy_pickle
-from zerocopy_pickle import Unpicklable, validate
+from zerocopy_pickle.plugin import Registrar, Unpicklable, validate
 
 __all__ = [
     "RuntimeObjectRefused",
@@ -420,7 +419,7 @@ _STATEFUL: tuple[type, ...] = (
 )
 
 
-def register(registry: zerocopy_pickle.Registrar) -> None:
+def register(registry: Registrar) -> None:
     """Entry point of the ``runtime-objects`` plugin."""
     for target, reduce in {**REBUILT, **REFUSED}.items():
         registry.register_reducer(target, reduce)

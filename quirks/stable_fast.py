@@ -55,12 +55,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zerocopy_pickle.errors import DumpError
+from zerocopy_pickle.plugin import DumpError
 
 if TYPE_CHECKING:
     from importlib.machinery import ModuleSpec
 
-    from zerocopy_pickle import Registrar
+    from zerocopy_pickle.plugin import Registrar
 
 __all__ = [
     "FLAT_TENSORS",

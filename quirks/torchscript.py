@@ -5,7 +5,7 @@ Plain pickle cannot take TorchScript objects: their state lives in C++ (``torch.
 repacked so that every record is stored uncompressed (``ZIP_STORED``) at a 64-byte aligned offset, and puts the
 archive bytes in a ``uint8`` tensor: the pickler sends that tensor's storage out of band, so the archive lies in
 the snapshot's data region and a load hands ``torch.jit.load`` a view of the mapping, not a copy
-(:func:`zerocopy_pickle.native.jit_load_from_buffer`; the native implementation imports straight from it).
+(:func:`zerocopy_pickle.plugin.jit_load_from_buffer`; the native implementation imports straight from it).
 
 What ``torch.jit.save`` preserves survives: code, methods, parameters, buffers and TorchScript attributes,
 ``training`` of every submodule, ``requires_grad``. What it does not, does not: Python-only attributes set on a
@@ -32,12 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zerocopy_pickle import native
-from zerocopy_pickle.errors import DeviceError, DumpError, SnapshotError
-from zerocopy_pickle.registry import type_key
+from zerocopy_pickle.plugin import DeviceError, DumpError, SnapshotError, jit_load_from_buffer, type_key
 
 if TYPE_CHECKING:
-    from zerocopy_pickle import Registrar
+    from zerocopy_pickle.plugin import Registrar
 
 __all__ = [
     "MODULE_TARGETS",
@@ -232,7 +230,7 @@ def rebuild_script_module(archive: torch.Tensor, devices: Sequence[tuple[str, An
         raise SnapshotError("a TorchScript archive must be a 1-D uint8 tensor")
     map_location = _map_location(devices)
     buffer = _host_buffer(archive)
-    return native.jit_load_from_buffer(buffer, map_location)
+    return jit_load_from_buffer(buffer, map_location)
 
 
 # -- functions ---------------------------------------------------------------------------------------------------
@@ -333,7 +331,7 @@ def rebuild_script_function(archive: torch.Tensor, qualified_name: str) -> Any:
         raise SnapshotError(f"a ScriptFunction's name must be a string, not {type(qualified_name).__name__}")
     unit = _C.CompilationUnit()
     # The function must come out of a compilation unit this code holds, which torch.jit.load (and so
-    # native.jit_load_from_buffer) does not expose: import into one directly. Function archives hold code and
+    # jit_load_from_buffer) does not expose: import into one directly. Function archives hold code and
     # constants only, so the copy into bytes is small.
     _C.import_ir_module_from_buffer(unit, bytes(_host_buffer(archive)), None, {}, False)
     fn = unit.find_function(qualified_name)

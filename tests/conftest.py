@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from zerocopy_pickle import format as fmt
-from zerocopy_pickle.registry import default_registry
+from zerocopy_pickle.plugin import default_registry
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -146,14 +146,18 @@ def install_example_plugins(site: Path, *, broken: bool = True) -> Path:
     site.mkdir(parents=True, exist_ok=True)
     for module in EXAMPLE_MODULES:
         shutil.copy(EXAMPLE_PLUGIN_SOURCES / f"{module}.py", site / f"{module}.py")
-    dists = {"zcp-example-plugin": "example = zcp_example_plugin"}
+    # The example distribution also declares a patch point for the model cache, in the cache's own group.
+    dists = {
+        "zcp-example-plugin": "[zerocopy_pickle.plugins]\nexample = zcp_example_plugin\n\n"
+        "[zerocopy_pickle.cache_patch_points]\nexample-reading = zcp_example_types:Reading.__init__\n"
+    }
     if broken:
-        dists["zcp-broken-plugin"] = "broken = zcp_broken_plugin:register"
-    for dist, entry_point in dists.items():
+        dists["zcp-broken-plugin"] = "[zerocopy_pickle.plugins]\nbroken = zcp_broken_plugin:register\n"
+    for dist, entry_points in dists.items():
         info = site / f"{dist.replace('-', '_')}-1.0.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
-        (info / "entry_points.txt").write_text(f"[zerocopy_pickle.plugins]\n{entry_point}\n")
+        (info / "entry_points.txt").write_text(entry_points)
     return site
 
 

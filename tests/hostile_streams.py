@@ -18,7 +18,7 @@ from typing import Any
 
 import zerocopy_pickle as zp
 from zerocopy_pickle import format as fmt
-from zerocopy_pickle.registry import default_registry
+from zerocopy_pickle.plugin import default_registry
 from zerocopy_pickle.restricted import safe_globals
 
 

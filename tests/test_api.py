@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import pickle
+import pkgutil
 from pathlib import Path
 
 import zerocopy_pickle as zp
 
-from .conftest import run_python
+from .conftest import REPO, run_python
 
 PUBLIC = {
     "dump", "load", "dumps", "loads", "freeze", "scan", "Snapshot", "ZeroCopyPickler", "ZeroCopyUnpickler",
     "ZeroCopyPickleError", "SnapshotError", "DumpError", "RestrictedLoadError", "DeviceError", "ArgumentError",
     "PluginError", "PluginWarning", "Reducer", "Registrar", "register_reducer", "unregister_reducer", "reducers",
+    "Registry", "default_registry",
     "BACKENDS", "read_header", "IntegrityError", "Unpicklable",
     "UnsafeArgumentError", "allow_function", "__version__",
 }  # fmt: skip
@@ -111,3 +116,62 @@ def test_dump_in_one_interpreter_load_in_another(tmp_path: Path) -> None:
         .split(maxsplit=2)
     )
     assert out == ["True", "True", "[0, 1, 2, 3, 4]"]
+
+
+PUBLIC_MODULES = {
+    "zerocopy_pickle",
+    "zerocopy_pickle.plugin",
+    "zerocopy_pickle.testing",
+    "zerocopy_pickle.validate",
+    "zerocopy_pickle.errors",
+    "zerocopy_pickle.cache",
+}
+
+
+def test_every_other_module_says_it_is_internal() -> None:
+    """docs/design.md lists the public modules; every other module's docstring starts with "Internal:"."""
+    names = {"zerocopy_pickle"}
+    for info in pkgutil.walk_packages(zp.__path__, "zerocopy_pickle."):
+        if not info.name.startswith("zerocopy_pickle._"):  # _version, _csrc: private by name
+            names.add(info.name)
+    assert names >= PUBLIC_MODULES
+    design = (REPO / "docs" / "design.md").read_text()
+    for name in sorted(names):
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin is not None, name
+        source = Path(spec.origin)
+        docstring = ast.get_docstring(ast.parse(source.read_text())) or ""
+        if name in PUBLIC_MODULES:
+            assert not docstring.startswith("Internal:"), name
+            assert f"`{name}`" in design, f"docs/design.md does not list the public module {name}"
+        else:
+            assert docstring.startswith("Internal:"), f"{name} is not public, but its docstring does not say so"
+
+
+def test_plugin_api_module_exports_what_plugins_need() -> None:
+    plugin = importlib.import_module("zerocopy_pickle.plugin")
+    for name in plugin.__all__:
+        obj = getattr(plugin, name)
+        if inspect.isfunction(obj) or inspect.isclass(obj) or inspect.ismodule(obj):
+            assert inspect.getdoc(obj), name
+    assert plugin.Registrar is zp.Registrar and plugin.Registry is zp.Registry
+    assert plugin.validate.expect_int(3, "here", "x") == 3
+    assert plugin.type_key(zp.Snapshot) == "zerocopy_pickle.snapshot:Snapshot"
+
+
+def test_quirks_import_only_the_public_plugin_api() -> None:
+    """The built-in quirks are registered as a third party would be: nothing private of the library."""
+    allowed = {"zerocopy_pickle", "zerocopy_pickle.plugin"}  # as the import-linter contract in pyproject.toml
+    seen = set()
+    for path in sorted((REPO / "quirks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                raise AssertionError(f"{path.name}: relative import from {node.module!r}")
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for module in names:
+                if module.partition(".")[0] == "zerocopy_pickle":
+                    assert module in allowed, f"{path.name} imports {module}"
+                    seen.add(module)
+    assert "zerocopy_pickle.plugin" in seen

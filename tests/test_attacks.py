@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 import zerocopy_pickle as zp
-from zerocopy_pickle.registry import default_registry
+from zerocopy_pickle.plugin import default_registry
 
 from .conftest import run_python
 from .hostile_streams import (

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle.registry import DISABLE_ENV, default_registry
+from zerocopy_pickle.plugin import DISABLE_ENV, Registry, default_registry
 from zerocopy_pickle.testing import ReducerConformance
 
 from .conftest import REPO, InstalledPlugins, install_example_plugins, run_python
@@ -104,7 +104,7 @@ def test_disabled_by_environment(example_plugins: InstalledPlugins, tmp_path: Pa
 
 
 def test_rediscover_after_install_at_run_time(tmp_path: Path) -> None:
-    registry = default_registry()
+    registry = Registry()  # a private one, discovering on its own: the process's registry is left alone
     assert "example" not in registry.plugins()
     site = install_example_plugins(tmp_path / "site", broken=False)
     sys.path.insert(0, str(site))
@@ -121,6 +121,30 @@ def test_rediscover_after_install_at_run_time(tmp_path: Path) -> None:
             sys.modules.pop(module, None)
         registry.rediscover()
     assert "example" not in registry.plugins()
+    assert "example" not in default_registry().plugins()
+
+
+def test_cache_patch_points_come_from_their_own_group(example_plugins: InstalledPlugins, tmp_path: Path) -> None:
+    """A distribution declares patch points for the model cache in the cache's group; the registry never sees them."""
+    from zerocopy_pickle.cache import loader, points
+
+    assert "zcp_example_types:Reading.__init__" in points.declared_patch_points()
+    assert points.all_patch_points()[: len(points.DEFAULT_PATCH_POINTS)] == list(points.DEFAULT_PATCH_POINTS)
+    assert "zcp_example_types" in loader.patch_point_modules()
+    assert "zcp_example_types" not in sys.modules  # declaring a patch point never imports its module
+    assert not hasattr(default_registry(), "patch_points")
+    assert not hasattr(zp.Registrar, "add_patch_point")
+    # A malformed declaration is skipped with a warning naming it.
+    info = tmp_path / "site" / "zcp_bad_points-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: zcp-bad-points\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[zerocopy_pickle.cache_patch_points]\nbad = not a point\n")
+    import importlib
+
+    importlib.invalidate_caches()
+    with pytest.warns(UserWarning, match="patch point 'bad' .*zcp-bad-points.*not 'module:qualname'"):
+        declared = points.declared_patch_points()
+    assert "not a point" not in declared and "zcp_example_types:Reading.__init__" in declared
 
 
 class TestExamplePluginConformance(ReducerConformance):

@@ -16,8 +16,8 @@ import torch
 
 import zerocopy_pickle as zp
 from zerocopy_pickle import validate
+from zerocopy_pickle.plugin import default_registry
 from zerocopy_pickle.rebuild import StorageBuilder
-from zerocopy_pickle.registry import default_registry
 from zerocopy_pickle.safeglobals import safe_table
 from zerocopy_pickle.testing import check_hostile_arguments, hostile_values
 

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
-from zerocopy_pickle.registry import default_registry
+from zerocopy_pickle.plugin import default_registry
 from zerocopy_pickle.restricted import safe_globals
 
 from .conftest import REPO

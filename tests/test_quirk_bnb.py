@@ -276,7 +276,7 @@ def test_repeated_loads_are_independent(tmp_path: Path) -> None:
 CHILD = """
 import os, sys, torch
 import zerocopy_pickle as zp
-from zerocopy_pickle.registry import default_registry
+from zerocopy_pickle.plugin import default_registry
 from tests.conftest import region_of
 
 registry = default_registry()

@@ -29,7 +29,7 @@ import pytest
 from zerocopy_pickle_quirks import dynamic_modules
 
 import zerocopy_pickle as zp
-from zerocopy_pickle.registry import default_registry
+from zerocopy_pickle.plugin import default_registry
 
 from .conftest import run_python
 
@@ -111,7 +111,7 @@ print("ok")
 FRESH_LOAD = """
 import os, sys
 import zerocopy_pickle as zp
-from zerocopy_pickle.registry import default_registry
+from zerocopy_pickle.plugin import default_registry
 
 snapshot, reference, kind = sys.argv[1:4]
 cache = os.path.abspath(os.environ.get("HF_MODULES_CACHE") or os.path.join(os.environ["HF_HOME"], "modules"))
@@ -353,7 +353,7 @@ def test_dump_of_a_cached_class_records_the_plugin(tmp_path: Path) -> None:
     code = """
     import sys
     import zerocopy_pickle as zp
-    from zerocopy_pickle.registry import default_registry
+    from zerocopy_pickle.plugin import default_registry
     if sys.argv[1] == "dump":
         default_registry().prepare_load([("dynamic-modules", "zerocopy-pickle")], trusted=True)  # the hook
         import importlib
@@ -391,7 +391,7 @@ def test_restricted_load_prepares_no_namespace(tmp_path: Path) -> None:
     code = """
     import sys
     import zerocopy_pickle as zp
-    from zerocopy_pickle.registry import default_registry
+    from zerocopy_pickle.plugin import default_registry
     if sys.argv[1] == "dump":
         default_registry().prepare_load([("dynamic-modules", "zerocopy-pickle")], trusted=True)
         import importlib

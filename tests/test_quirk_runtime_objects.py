@@ -21,7 +21,7 @@ import torch
 from zerocopy_pickle_quirks import runtime_objects
 
 import zerocopy_pickle as zp
-from zerocopy_pickle.registry import default_registry
+from zerocopy_pickle.plugin import default_registry
 from zerocopy_pickle.testing import ReducerConformance
 from zerocopy_pickle.testing import assert_same as assert_same_graph
 
@@ -150,7 +150,7 @@ def test_plugin_is_discovered() -> None:
 
 def test_type_names_match_this_python() -> None:
     # The registrations are by name, never importing anything: the names must be the real ones.
-    from zerocopy_pickle.registry import type_key
+    from zerocopy_pickle.plugin import type_key
 
     live = [
         threading.Lock(),

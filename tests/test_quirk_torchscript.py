@@ -13,7 +13,7 @@ from zerocopy_pickle_quirks import torchscript
 
 import zerocopy_pickle as zp
 from zerocopy_pickle import native
-from zerocopy_pickle.registry import default_registry
+from zerocopy_pickle.plugin import default_registry
 from zerocopy_pickle.testing import ReducerConformance
 
 from .conftest import REPO, region_of, run_python
@@ -132,7 +132,7 @@ def assert_same_script(expected: Any, actual: Any) -> None:
 def _load_trusted_in_fresh_interpreter(path: Path, factory: str) -> None:
     code = f"""
         import zerocopy_pickle as zp
-        from zerocopy_pickle.registry import resolve_name as _resolve
+        from zerocopy_pickle.discovery import resolve_name as _resolve
         from tests.test_quirk_torchscript import assert_same_script
         loaded = zp.load({str(path)!r}, trusted=True)
         assert_same_script(_resolve({factory!r})(), loaded)

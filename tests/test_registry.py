@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import functools
+import io
 import os
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import validate
-from zerocopy_pickle.registry import Registry, default_registry
+from zerocopy_pickle.plugin import Registry, default_registry, validate
 
 
 class Shape:
@@ -86,30 +87,60 @@ def clean() -> Iterator[Registry]:
             registry.remove_plugin(name)
 
 
-def test_register_by_type_and_round_trip(clean: Registry) -> None:
+@pytest.fixture
+def private() -> Registry:
+    """A registry of the test's own (no discovery), passed to dump/load as ``registry=``: no global state."""
+    return Registry(discover=False)
+
+
+def test_register_by_type_and_round_trip(private: Registry) -> None:
     with pytest.raises(zp.DumpError, match="generator"):
-        zp.dumps(Shape(3), backend="pickle")
-    zp.register_reducer(Shape, reduce_shape)
-    loaded = zp.loads(zp.dumps(Shape(3)), trusted=True)
+        zp.dumps(Shape(3), backend="pickle", registry=private)
+    private.register_reducer(Shape, reduce_shape)
+    loaded = zp.loads(zp.dumps(Shape(3), registry=private), trusted=True, registry=private)
     assert isinstance(loaded, Shape) and loaded.sides == 3 and torch.equal(loaded.weights, torch.full((3,), 3.0))
 
 
-def test_tensors_inside_reduced_objects_stay_out_of_band(clean: Registry) -> None:
-    zp.register_reducer(Shape, reduce_shape)
+def test_every_dump_and_load_takes_a_registry(private: Registry, tmp_path: Path) -> None:
+    private.add_plugin("test-every", lambda r: r.register_reducer(Shape, reduce_named_shape), package="zcp-every")
+    private.register_reducer(Square, reduce_square)  # in-process: its stream needs trusted=True
+    path = tmp_path / "shape.zcp"
+    zp.dump(Shape(2), path, registry=private)
+    with pytest.raises(zp.PluginError, match="'test-every', which is not installed"):
+        zp.load(path, trusted=True)  # the default registry has no such plugin
+    assert zp.load(path, trusted=True, registry=private).sides == 2
+    with path.open("rb") as f:
+        assert zp.load(f, trusted=True, registry=private).sides == 2
+    with zp.freeze(Square(3), registry=private) as snap:
+        assert snap.load(registry=private).sides == 30
+    with pytest.raises(zp.DumpError):
+        zp.freeze(Shape(2), backend="pickle")  # the default registry has no reducer for it
+    stream = io.BytesIO()
+    pickler = zp.ZeroCopyPickler(stream, registry=private, buffer_callback=lambda b: False)
+    pickler.dump(Shape(1))
+    assert [p.name for p in pickler.plugins_used] == ["test-every"]
+
+
+def test_tensors_inside_reduced_objects_stay_out_of_band(private: Registry) -> None:
+    private.register_reducer(Shape, reduce_shape)
     shape = Shape(100_000)
-    data = bytearray(zp.dumps({"shape": shape, "same": shape.weights}))
+    data = bytearray(zp.dumps({"shape": shape, "same": shape.weights}, registry=private))
     header = zp.read_header(data)
     assert len(header.buffers) == 1 and header.buffers[0].nbytes == 400_000
-    loaded = zp.loads(data, trusted=True)
+    loaded = zp.loads(data, trusted=True, registry=private)
     assert loaded["shape"].weights.data_ptr() == loaded["same"].data_ptr()  # one storage, shared
 
 
-def test_subclasses_follow_the_mro_and_exact_beats_base(clean: Registry) -> None:
-    zp.register_reducer(Shape, reduce_shape)
-    assert zp.loads(zp.dumps(Square(4)), trusted=True).sides == 4  # the base's reducer
-    zp.register_reducer(Square, reduce_square)
-    assert zp.loads(zp.dumps(Square(4)), trusted=True).sides == 40  # the exact one
-    assert zp.loads(zp.dumps(Shape(4)), trusted=True).sides == 4
+def test_subclasses_follow_the_mro_and_exact_beats_base(private: Registry) -> None:
+    private.register_reducer(Shape, reduce_shape)
+
+    def round_trip(obj: Shape) -> Shape:
+        return zp.loads(zp.dumps(obj, registry=private), trusted=True, registry=private)
+
+    assert round_trip(Square(4)).sides == 4  # the base's reducer
+    private.register_reducer(Square, reduce_square)
+    assert round_trip(Square(4)).sides == 40  # the exact one
+    assert round_trip(Shape(4)).sides == 4
 
 
 def test_string_target_never_imports_its_module(clean: Registry) -> None:
@@ -127,10 +158,10 @@ def test_string_target_never_imports_its_module(clean: Registry) -> None:
         del sys.modules[name]
 
 
-def test_same_name_but_other_class_is_not_matched(clean: Registry) -> None:
-    zp.register_reducer(Shape, reduce_shape)
+def test_same_name_but_other_class_is_not_matched(private: Registry) -> None:
+    private.register_reducer(Shape, reduce_shape)
     impostor = type("Shape", (), {"__module__": Shape.__module__, "__qualname__": "Shape"})
-    assert clean.lookup(impostor) is None
+    assert private.lookup(impostor) is None
 
 
 def test_clobber(clean: Registry) -> None:
@@ -168,65 +199,85 @@ def test_malformed_registrations(clean: Registry, target: Any, reduce: Any) -> N
         zp.register_reducer(target, reduce)
 
 
-def test_reducer_may_decline(clean: Registry) -> None:
-    zp.register_reducer(torch.nn.Linear, lambda m: NotImplemented)
-    loaded = zp.loads(zp.dumps(torch.nn.Linear(2, 2)), allow=[torch.nn.Linear])
+def test_reducer_may_decline(private: Registry) -> None:
+    private.register_reducer(torch.nn.Linear, lambda m: NotImplemented)
+    loaded = zp.loads(zp.dumps(torch.nn.Linear(2, 2), registry=private), allow=[torch.nn.Linear], registry=private)
     assert isinstance(loaded, torch.nn.Linear)
 
 
-def test_plugin_is_recorded_and_its_safe_globals_allowed(clean: Registry) -> None:
+def test_plugin_is_recorded_and_its_safe_globals_allowed(private: Registry) -> None:
     hook_calls: list[int] = []
 
     def register(registrar: zp.Registrar) -> None:
         registrar.register_reducer(Shape, reduce_named_shape)
         registrar.add_safe_globals(rebuild_named_shape)
         registrar.set_load_hook(lambda: hook_calls.append(1))
-        registrar.add_patch_point("some.module:Pipeline.from_pretrained")
 
-    clean.add_plugin("test-shapes", register, package="zcp-test-shapes")
-    data = zp.dumps([Shape(2), Square(3)])
+    private.add_plugin("test-shapes", register, package="zcp-test-shapes")
+    data = zp.dumps([Shape(2), Square(3)], registry=private)
     assert [tuple(p) for p in zp.read_header(data).plugins] == [("test-shapes", "zcp-test-shapes")]
-    loaded = zp.loads(data)  # restricted, without allow=: the plugin declared what its stream needs
+    loaded = zp.loads(data, registry=private)  # restricted, without allow=: the plugin declared what its stream needs
     assert [s.sides for s in loaded] == [2, 3] and type(loaded[1]) is Square
     assert hook_calls == []  # a restricted load runs no load hook
-    assert clean.safe_globals(plugins=["test-shapes"]) == {(__name__, "rebuild_named_shape"): None}
-    assert ("test-shapes", "some.module:Pipeline.from_pretrained") in clean.patch_points()
-    assert clean.plugins()["test-shapes"].state == "registered"
+    assert private.safe_globals(plugins=["test-shapes"]) == {(__name__, "rebuild_named_shape"): None}
+    assert private.plugins()["test-shapes"].state == "registered"
+    # The process's registry never saw the plugin: a load through it needs the plugin installed.
+    assert "test-shapes" not in default_registry().plugins()
+    with pytest.raises(zp.PluginError, match="plugin 'test-shapes', which is not installed"):
+        zp.loads(data)
 
 
-def test_snapshot_needing_a_missing_plugin(clean: Registry) -> None:
-    clean.add_plugin("test-gone", lambda r: r.register_reducer(Shape, reduce_shape), package="zcp-gone")
-    data = zp.dumps(Shape(2))
-    clean.remove_plugin("test-gone")
+def test_a_plugins_registration_is_only_what_its_registrar_receives(clean: Registry) -> None:
+    """No ambient "current plugin": the module-level API inside ``register`` registers for the program, not the
+    plugin, and an entry-point module without a ``register`` function is a failed plugin, not an empty one."""
+
+    def register(registrar: zp.Registrar) -> None:
+        zp.register_reducer(Shape, reduce_shape)
+        registrar.register_reducer(Square, reduce_square)
+
+    clean.add_plugin("test-explicit", register)
+    table = clean.reducers()
+    assert table[f"{__name__}:Shape"].plugin is None
+    assert table[f"{__name__}:Square"].plugin == "test-explicit"
+    clean.remove_plugin("test-explicit")
+    assert f"{__name__}:Square" not in clean.reducers() and f"{__name__}:Shape" in clean.reducers()
+    with pytest.raises(zp.PluginError, match="has no register"):
+        clean.add_plugin("test-no-register", types.ModuleType("zcp_no_register"))  # type: ignore[arg-type]
+
+
+def test_snapshot_needing_a_missing_plugin(private: Registry) -> None:
+    private.add_plugin("test-gone", lambda r: r.register_reducer(Shape, reduce_shape), package="zcp-gone")
+    data = zp.dumps(Shape(2), registry=private)
+    private.remove_plugin("test-gone")
     with pytest.raises(zp.PluginError, match=r"plugin 'test-gone'.*not installed: pip install zcp-gone") as info:
-        zp.loads(data, trusted=True)
+        zp.loads(data, trusted=True, registry=private)
     assert info.value.plugin == "test-gone" and info.value.package == "zcp-gone"
     assert isinstance(info.value, ImportError)
 
 
-def test_failing_registration_is_rolled_back(clean: Registry) -> None:
+def test_failing_registration_is_rolled_back(private: Registry) -> None:
     def register(registrar: zp.Registrar) -> None:
         registrar.register_reducer(Shape, reduce_shape)
         raise RuntimeError("half-registered")
 
     with pytest.raises(zp.PluginError, match="half-registered"):
-        clean.add_plugin("test-broken", register)
-    assert f"{Shape.__module__}:Shape" not in clean.reducers()
+        private.add_plugin("test-broken", register)
+    assert f"{Shape.__module__}:Shape" not in private.reducers()
     with pytest.raises(zp.DumpError):
-        zp.dumps(Shape(2), backend="pickle")
+        zp.dumps(Shape(2), backend="pickle", registry=private)
 
 
-def test_failing_load_hook(clean: Registry) -> None:
+def test_failing_load_hook(private: Registry) -> None:
     def register(registrar: zp.Registrar) -> None:
         registrar.register_reducer(Shape, reduce_shape)
         registrar.set_load_hook(lambda: 1 / 0)
 
-    clean.add_plugin("test-hook", register)
-    data = zp.dumps(Shape(1))
+    private.add_plugin("test-hook", register)
+    data = zp.dumps(Shape(1), registry=private)
     needed = [(p.name, p.package) for p in zp.read_header(data).plugins]
-    clean.prepare_load(needed)  # restricted (the default): the hook does not run
+    private.prepare_load(needed)  # restricted (the default): the hook does not run
     with pytest.raises(zp.PluginError, match="load hook of plugin 'test-hook' failed: ZeroDivisionError"):
-        clean.prepare_load(needed, trusted=True)
+        private.prepare_load(needed, trusted=True)
 
 
 def test_independent_registry_instance() -> None:
@@ -349,25 +400,25 @@ def test_safe_globals_of_only_the_plugins_a_header_names(clean: Registry) -> Non
     assert not [pair for pair in clean.safe_globals(plugins=[]) if pair[0].startswith("zerocopy_pickle_quirks")]
 
 
-def test_prepare_load_runs_hooks_only_when_trusted(clean: Registry) -> None:
+def test_prepare_load_runs_hooks_only_when_trusted(private: Registry) -> None:
     ran: list[str] = []
 
     def register(registrar: zp.Registrar) -> None:
         registrar.set_load_hook(lambda: ran.append("hook"))
 
-    clean.add_plugin("test-hooked", register, package="zcp-hooked")
-    clean.prepare_load([("test-hooked", "zcp-hooked")])
-    clean.prepare_load([("test-hooked", "zcp-hooked")], trusted=False)
+    private.add_plugin("test-hooked", register, package="zcp-hooked")
+    private.prepare_load([("test-hooked", "zcp-hooked")])
+    private.prepare_load([("test-hooked", "zcp-hooked")], trusted=False)
     assert ran == []
-    clean.prepare_load([("test-hooked", "zcp-hooked")], trusted=True)
+    private.prepare_load([("test-hooked", "zcp-hooked")], trusted=True)
     assert ran == ["hook"]
     # Presence is still checked in restricted loads, before anything.
     with pytest.raises(zp.PluginError, match="not installed: pip install zcp-absent"):
-        clean.prepare_load([("test-hooked", "zcp-hooked"), ("test-absent", "zcp-absent")])
+        private.prepare_load([("test-hooked", "zcp-hooked"), ("test-absent", "zcp-absent")])
     assert ran == ["hook"]
 
 
-def test_restricted_load_of_a_hostile_header_runs_no_hook(clean: Registry) -> None:
+def test_restricted_load_of_a_hostile_header_runs_no_hook(private: Registry) -> None:
     """A snapshot that names a plugin it does not need (an attacker can write any header) gets its presence
     checked, nothing more."""
     ran: list[str] = []
@@ -377,8 +428,8 @@ def test_restricted_load_of_a_hostile_header_runs_no_hook(clean: Registry) -> No
         registrar.add_safe_globals(rebuild_named_shape)
         registrar.set_load_hook(lambda: ran.append("hook"))
 
-    clean.add_plugin("test-header", register)
-    data = zp.dumps({"x": Shape(2)})
+    private.add_plugin("test-header", register)
+    data = zp.dumps({"x": Shape(2)}, registry=private)
     assert [p.name for p in zp.read_header(data).plugins] == ["test-header"]
-    assert zp.loads(data)["x"].sides == 2
+    assert zp.loads(data, registry=private)["x"].sides == 2
     assert ran == []

@@ -13,6 +13,11 @@ Quick start::
 
 Loading is restricted by default: only tensors, containers and primitives. Allow more per call with
 ``allow=[MyClass, "module:qualname"]``, or ``trusted=True`` for snapshots you trust.
+
+The public modules are this namespace, :mod:`zerocopy_pickle.plugin` (for plugins), :mod:`zerocopy_pickle.testing`
+(their conformance suite), :mod:`zerocopy_pickle.validate` (argument checks for rebuild functions),
+:mod:`zerocopy_pickle.errors` and :mod:`zerocopy_pickle.cache`. Every other module is internal (its docstring
+starts with "Internal:") and may change without notice.
 """
 
 from __future__ import annotations
@@ -33,7 +38,16 @@ from .errors import (
     UnsafeArgumentError,
     ZeroCopyPickleError,
 )
-from .registry import PluginWarning, Reducer, Registrar, reducers, register_reducer, unregister_reducer
+from .registry import (
+    PluginWarning,
+    Reducer,
+    Registrar,
+    Registry,
+    default_registry,
+    reducers,
+    register_reducer,
+    unregister_reducer,
+)
 
 if TYPE_CHECKING:
     from .pickler import ZeroCopyPickler, ZeroCopyUnpickler
@@ -74,6 +88,7 @@ __all__ = [
     "PluginWarning",
     "Reducer",
     "Registrar",
+    "Registry",
     "RestrictedLoadError",
     "Snapshot",
     "SnapshotError",
@@ -84,6 +99,7 @@ __all__ = [
     "ZeroCopyUnpickler",
     "__version__",
     "allow_function",
+    "default_registry",
     "dump",
     "dumps",
     "freeze",

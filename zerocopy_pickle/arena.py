@@ -1,4 +1,4 @@
-"""Where snapshot bytes live: files written atomically, sealed memfds, and private mappings of either.
+"""Internal: where snapshot bytes live: files written atomically, sealed memfds, and private mappings of either.
 
 Writers produce a snapshot as a list of pieces (header, stream, padding, storage bytes) and hand it to
 :func:`write_pieces`, which writes them with ``writev`` in as few system calls as the kernel allows: each

@@ -1,4 +1,4 @@
-"""``zerocopy-pickle``: inspect and convert snapshots, and run the demo.
+"""Internal: ``zerocopy-pickle``: inspect and convert snapshots, and run the demo.
 
 zerocopy-pickle inspect FILE [--json] [--buffers N]
 zerocopy-pickle convert IN OUT [--trusted] [--fsync]

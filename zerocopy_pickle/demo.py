@@ -1,4 +1,4 @@
-"""``zerocopy-pickle demo``: dump and load a model built here, timed against torch.load and safetensors.
+"""Internal: ``zerocopy-pickle demo``: dump and load a model built here, timed against torch.load and safetensors.
 
 The model is a small GPT-style transformer made of ``torch.nn`` layers (no download, no extra package), with
 its output head tied to its embedding. The demo saves its state dict (and the whole module) with each

@@ -1,4 +1,4 @@
-"""Placing loaded storages on devices: ``map_location`` with ``torch.load``'s semantics.
+"""Internal: placing loaded storages on devices: ``map_location`` with ``torch.load``'s semantics.
 
 Every storage is rebuilt first as a CPU view into the snapshot's mapping. It stays there (zero-copy) when its
 target is the CPU; otherwise it is copied to the target device. The target follows ``torch.load``:

@@ -1,4 +1,5 @@
-"""The snapshot layout (format versions 1 and 2): encoding the header, and validating every byte of it before use.
+"""Internal: the snapshot layout (format versions 1 and 2): encoding the header, and validating every byte of it
+before use.
 
 A snapshot is one contiguous byte sequence::
 

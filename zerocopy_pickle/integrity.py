@@ -1,4 +1,4 @@
-"""Integrity: checksums of the stream and every buffer (xxHash XXH3-64), and HMAC signatures.
+"""Internal: integrity: checksums of the stream and every buffer (xxHash XXH3-64), and HMAC signatures.
 
 Checksums detect accidental damage: a bit flipped on disk, a truncated copy. The stream's checksum is checked
 on every load (the stream is small); the buffers' only with ``verify=True``, because checking them reads every

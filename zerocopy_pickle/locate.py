@@ -1,4 +1,5 @@
-"""Finding the object a dump fails on, and its path in the graph (``obj.encoder.layers[3]._forward_hooks[7]``).
+"""Internal: finding the object a dump fails on, and its path in the graph
+(``obj.encoder.layers[3]._forward_hooks[7]``).
 
 Pickle's own error names a type ("cannot pickle 'function' object") but not where in a graph of thousands of
 objects it sits. After a failed dump, :func:`locate_failure` descends from the root: at each node it tries to

@@ -1,4 +1,4 @@
-"""The switch between the optional native helpers (``csrc/``) and their pure-Python equivalents.
+"""Internal: the switch between the optional native helpers (``csrc/``) and their pure-Python equivalents.
 
 Every function here has a Python implementation that gives the same results; a native one replaces it only
 where it measurably pays (``benchmarks/native.py``):

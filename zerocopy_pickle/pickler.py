@@ -1,4 +1,4 @@
-"""``ZeroCopyPickler`` and ``ZeroCopyUnpickler``: the C pickler and unpickler, with storages out of band.
+"""Internal: ``ZeroCopyPickler`` and ``ZeroCopyUnpickler``: the C pickler and unpickler, with storages out of band.
 
 The pickler is ``pickle.Pickler`` (the C implementation) at protocol 5 with a private dispatch table chained
 over copyreg's. Plain ``Tensor.__reduce_ex__`` and ``Parameter.__reduce_ex__`` are left as they are: they

@@ -1,4 +1,4 @@
-"""Every function a snapshot's pickle stream calls at load time.
+"""Internal: every function a snapshot's pickle stream calls at load time.
 
 The module path and name of each function here are part of the file format: a stream names them as
 ``zerocopy_pickle.rebuild:<name>``. Never rename or move one without leaving an alias behind, and never change

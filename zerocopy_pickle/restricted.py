@@ -1,4 +1,5 @@
-"""Restricted loading: which globals a stream may name, what it may do with each, and what no allow-list permits.
+"""Internal: restricted loading: which globals a stream may name, what it may do with each, and what no
+allow-list permits.
 
 Pickle resolves every class and function a stream names through ``Unpickler.find_class``, and then its opcodes
 act on what was resolved: REDUCE calls it, NEWOBJ instantiates it, BUILD sets state on whatever is below it. A

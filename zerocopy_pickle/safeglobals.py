@@ -1,4 +1,4 @@
-"""The built-in safe set: what a restricted load may resolve without ``allow=``, and what it may do with each.
+"""Internal: the built-in safe set: what a restricted load may resolve without ``allow=``, and what it may do with each.
 
 Every entry maps a ``(module, qualname)`` a stream names to a :class:`SafeGlobal`: the object pushed on the
 unpickler's stack, whether REDUCE may call it, and which of pickle's mutating opcodes (BUILD, SETITEM(S),

@@ -1,4 +1,4 @@
-"""What a pickle stream does to which value, decided before the C unpickler runs it (restricted loads).
+"""Internal: what a pickle stream does to which value, decided before the C unpickler runs it (restricted loads).
 
 Pickle's opcodes act on values: REDUCE calls the value below its argument tuple, NEWOBJ instantiates a class,
 BUILD sets state on an object (its ``__setstate__``, or its ``__dict__`` and attributes), APPEND(S),

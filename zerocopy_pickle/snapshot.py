@@ -1,5 +1,5 @@
-"""The public API: ``dump``/``load`` on paths and files, ``dumps``/``loads`` on bytes, ``freeze`` and
-:class:`Snapshot` on memfds, and ``scan``.
+"""Internal: the public API's implementation (re-exported by ``zerocopy_pickle``): ``dump``/``load`` on paths
+and files, ``dumps``/``loads`` on bytes, ``freeze`` and :class:`Snapshot` on memfds, and ``scan``.
 
 Dump: the object graph goes through :class:`~zerocopy_pickle.pickler.ZeroCopyPickler`, whose buffer
 callback only *collects* each storage's memory; then :func:`~zerocopy_pickle.format.encode` lays the
@@ -32,7 +32,7 @@ from .device import MapLocation, check_targets
 from .errors import ArgumentError, DumpError, SnapshotError, Unpicklable, ZeroCopyPickleError
 from .locate import locate_failure
 from .pickler import ZeroCopyPickler, ZeroCopyUnpickler, dill_pickler
-from .registry import default_registry
+from .registry import Registry, default_registry
 from .restricted import AllowSpec, scan_stream, stream_uses
 
 __all__ = ["BACKENDS", "Snapshot", "dump", "dumps", "freeze", "load", "loads", "read_header", "scan"]
@@ -63,11 +63,13 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _make_pickler(backend: str, file: IO[bytes], callback: Callable[[pickle.PickleBuffer], Any]) -> Any:
+def _make_pickler(
+    backend: str, file: IO[bytes], callback: Callable[[pickle.PickleBuffer], Any], registry: Registry | None = None
+) -> Any:
     if backend == "dill":
-        return dill_pickler(file, buffer_callback=callback)
+        return dill_pickler(file, buffer_callback=callback, registry=registry)
     by_value = backend == "cloudpickle" or (backend == "auto" and _importable("cloudpickle"))
-    return ZeroCopyPickler(file, buffer_callback=callback, by_value=by_value)
+    return ZeroCopyPickler(file, buffer_callback=callback, by_value=by_value, registry=registry)
 
 
 class _Prepared:
@@ -75,7 +77,9 @@ class _Prepared:
 
     __slots__ = ("backend", "layout", "pieces")
 
-    def __init__(self, obj: object, backend: str, checksums: bool, key: bytes | str | None) -> None:
+    def __init__(
+        self, obj: object, backend: str, checksums: bool, key: bytes | str | None, registry: Registry | None = None
+    ) -> None:
         if backend not in BACKENDS:
             raise ArgumentError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {backend!r}")
         # auto: the C pickler (with cloudpickle's by-value reductions for functions and classes that need
@@ -90,11 +94,11 @@ class _Prepared:
                 views.append(buffer.raw())
                 return False  # out of band
 
-            pickler = _make_pickler(attempt, stream, collect)
+            pickler = _make_pickler(attempt, stream, collect, registry)
             try:
                 pickler.dump(obj)
             except Unpicklable as e:  # a reducer refused for good: no other backend is worth a try
-                raise _dump_error(obj, attempt, e) from e
+                raise _dump_error(obj, attempt, e, registry) from e
             except _PICKLE_ERRORS as e:
                 first_error = first_error or e
                 continue
@@ -104,7 +108,7 @@ class _Prepared:
             break
         else:
             assert first_error is not None
-            raise _dump_error(obj, backend, first_error) from first_error
+            raise _dump_error(obj, backend, first_error, registry) from first_error
         body = stream.getbuffer()
         sums = integrity.checksums(body, views) if checksums or key is not None else None
         signer = None if key is None else functools.partial(integrity.sign, key, stream=body)
@@ -134,7 +138,7 @@ class _Prepared:
         self.pieces = pieces
 
 
-def _dump_error(obj: object, backend: str, error: BaseException) -> DumpError:
+def _dump_error(obj: object, backend: str, error: BaseException, registry: Registry | None = None) -> DumpError:
     """A DumpError that names the object that cannot be pickled, its path in the graph, and what to do."""
     if isinstance(error, RecursionError):
         return DumpError(
@@ -145,13 +149,13 @@ def _dump_error(obj: object, backend: str, error: BaseException) -> DumpError:
 
     def try_dump(candidate: object) -> BaseException | None:
         try:
-            _make_pickler(pickler_backend, io.BytesIO(), lambda buffer: False).dump(candidate)
+            _make_pickler(pickler_backend, io.BytesIO(), lambda buffer: False, registry).dump(candidate)
         except _PICKLE_ERRORS as e:
             return e
         return None
 
     def reduce(candidate: Any) -> Any:  # as the pickler would: a registered reducer first
-        reducer = default_registry().lookup(type(candidate))
+        reducer = (registry or default_registry()).lookup(type(candidate))
         reduced = reducer.reduce(candidate) if reducer is not None else NotImplemented
         return candidate.__reduce_ex__(5) if reduced is NotImplemented else reduced
 
@@ -186,6 +190,7 @@ def dump(
     checksums: bool = True,
     key: bytes | str | None = None,
     fsync: bool = False,
+    registry: Registry | None = None,
 ) -> None:
     """Write ``obj`` as a snapshot to a path or a binary file object.
 
@@ -209,6 +214,7 @@ def dump(
         key: sign the snapshot (HMAC-SHA256 over the header, the checksums included, and the stream) with this
             secret; ``load(..., key=key)`` then verifies it and may load trusted. Implies ``checksums``.
         fsync: with a path, flush the file and its directory entry to stable storage before returning.
+        registry: the reducers (and plugins) to apply; default: the process's, ``default_registry()``.
 
     Raises:
         DumpError: part of the graph cannot be pickled; nothing was written. Its message and ``path`` name
@@ -217,25 +223,33 @@ def dump(
         OSError: writing failed (a full disk, say); a path keeps its previous contents.
     """
     if isinstance(f, (str, os.PathLike)):
-        prepared = _Prepared(obj, backend, checksums, key)
+        prepared = _Prepared(obj, backend, checksums, key, registry)
         with arena.atomic_output(f, fsync=fsync) as fd:
             arena.write_pieces(fd, prepared.pieces)
     elif hasattr(f, "write"):
-        arena.write_pieces_to_file(f, _Prepared(obj, backend, checksums, key).pieces)  # type: ignore[arg-type]
+        pieces = _Prepared(obj, backend, checksums, key, registry).pieces
+        arena.write_pieces_to_file(f, pieces)  # type: ignore[arg-type]
     else:
         raise ArgumentError(f"dump() needs a path or a binary file object, not {type(f).__name__}")
 
 
-def dumps(obj: object, *, backend: str = "auto", checksums: bool = True, key: bytes | str | None = None) -> bytes:
+def dumps(
+    obj: object,
+    *,
+    backend: str = "auto",
+    checksums: bool = True,
+    key: bytes | str | None = None,
+    registry: Registry | None = None,
+) -> bytes:
     """Return ``obj`` as a snapshot in one ``bytes`` object (the same bytes :func:`dump` writes).
 
     Args:
-        obj, backend, checksums, key: as for :func:`dump`.
+        obj, backend, checksums, key, registry: as for :func:`dump`.
 
     Raises:
         DumpError: part of the graph cannot be pickled (see :func:`dump`).
     """
-    return b"".join(_Prepared(obj, backend, checksums, key).pieces)
+    return b"".join(_Prepared(obj, backend, checksums, key, registry).pieces)
 
 
 def freeze(
@@ -245,6 +259,7 @@ def freeze(
     checksums: bool = True,
     key: bytes | str | None = None,
     name: str = "zerocopy_pickle",
+    registry: Registry | None = None,
 ) -> Snapshot:
     """Write ``obj`` as a snapshot into a sealed memfd.
 
@@ -254,7 +269,7 @@ def freeze(
 
     Args:
         obj: the object graph.
-        backend, checksums, key: as for :func:`dump`.
+        backend, checksums, key, registry: as for :func:`dump`.
         name: the memfd's name, shown in ``/proc/<pid>/fd`` and ``/proc/<pid>/maps``.
 
     Returns:
@@ -264,7 +279,7 @@ def freeze(
     Raises:
         DumpError: part of the graph cannot be pickled.
     """
-    prepared = _Prepared(obj, backend, checksums, key)
+    prepared = _Prepared(obj, backend, checksums, key, registry)
     fd = arena.create_memfd(name)
     try:
         arena.write_pieces(fd, prepared.pieces)
@@ -296,6 +311,7 @@ def _load_view(
     verify: bool = False,
     key: bytes | str | None = None,
     stable: bool = False,
+    registry: Registry | None = None,
 ) -> Any:
     """Unpickle the snapshot that fills ``view`` (writable, aligned); storages become views into it.
 
@@ -327,7 +343,8 @@ def _load_view(
     check_targets(map_location, (entry.location for entry in header.buffers))
     # Plugins' load hooks run only once trust is decided, and only for trusted loads: a hostile header must not
     # make this process import or patch anything.
-    default_registry().prepare_load(header.plugins, trusted=trusted)
+    registry = registry if registry is not None else default_registry()
+    registry.prepare_load(header.plugins, trusted=trusted)
     if verify and not stable:
         buffers = integrity.copy_verified(header, view)  # later writes to the file cannot reach these
     else:
@@ -342,6 +359,7 @@ def _load_view(
         allow=allow,
         plugins=[name for name, _ in header.plugins],
         stream_uses=uses,
+        registry=registry,
     )
     try:
         return unpickler.load()
@@ -462,6 +480,7 @@ def load(
     copy: bool = False,
     verify: bool = False,
     key: bytes | str | None = None,
+    registry: Registry | None = None,
 ) -> Any:
     """Load a snapshot from a path or a binary file object.
 
@@ -492,6 +511,8 @@ def load(
             trusted unless ``trusted=False``. The signature covers the header and the stream (checked and
             unpickled from private copies) and, through the checksums it signs, the buffers: add
             ``verify=True`` to check those too.
+        registry: whose plugins the snapshot may need and whose safe globals a restricted load allows; default:
+            the process's, ``default_registry()``.
 
     Returns:
         The object graph.
@@ -517,6 +538,7 @@ def load(
         verify=verify,
         key=key,
         stable=stable,
+        registry=registry,
     )
 
 
@@ -534,6 +556,7 @@ def loads(
     copy: bool | None = None,
     verify: bool = False,
     key: bytes | str | None = None,
+    registry: Registry | None = None,
 ) -> Any:
     """Load a snapshot from a bytes-like object or an ``mmap``.
 
@@ -549,7 +572,7 @@ def loads(
 
     Args:
         data: one complete snapshot, as :func:`dumps` returns it.
-        map_location, trusted, allow, verify, key: as for :func:`load`.
+        map_location, trusted, allow, verify, key, registry: as for :func:`load`.
         copy: True always copies; False never does (and raises if ``data`` is read-only); None (default)
             copies only when zero-copy is impossible.
 
@@ -579,7 +602,14 @@ def loads(
         memory[:] = view
         view = memoryview(memory)
     return _load_view(
-        view, map_location=map_location, trusted=trusted, allow=allow, verify=verify, key=key, stable=copied
+        view,
+        map_location=map_location,
+        trusted=trusted,
+        allow=allow,
+        verify=verify,
+        key=key,
+        stable=copied,
+        registry=registry,
     )
 
 
@@ -778,11 +808,12 @@ class Snapshot:
         allow: AllowSpec = (),
         verify: bool = False,
         key: bytes | str | None = None,
+        registry: Registry | None = None,
     ) -> Any:
         """Load a new, independent copy-on-write object graph from this snapshot.
 
         Args:
-            map_location, allow, key: as for :func:`load`.
+            map_location, allow, key, registry: as for :func:`load`.
             verify: as for :func:`load`: a sealed memfd is checked in place (zero-copy); a file's buffers
                 are copied into private memory as they are checked.
             trusted: None uses this snapshot's default (True for :func:`freeze`; else False unless ``key``
@@ -810,6 +841,7 @@ class Snapshot:
             verify=verify,
             key=key,
             stable=arena.is_immutable(fd),
+            registry=registry,
         )
 
     def close(self) -> None:

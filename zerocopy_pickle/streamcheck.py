@@ -1,4 +1,4 @@
-"""A bounds check of a pickle stream, opcode by opcode, before the C unpickler runs it.
+"""Internal: A bounds check of a pickle stream, opcode by opcode, before the C unpickler runs it.
 
 The C unpickler trusts its input's arithmetic: a ``LONG_BINPUT`` with index 2**31 makes it grow its memo to
 16 GiB; a stream of ``DUP`` opcodes grows its stack by 8 bytes per input byte; a length prefix is allocated

@@ -36,8 +36,9 @@ from typing import Any
 import torch
 
 from . import snapshot
+from .discovery import resolve_name
 from .errors import RestrictedLoadError, ZeroCopyPickleError
-from .registry import default_registry, resolve_name
+from .registry import default_registry
 
 __all__ = ["ReducerConformance", "assert_same", "check_hostile_arguments", "hostile_values"]
 
@@ -438,7 +439,7 @@ class ReducerConformance:
         code = textwrap.dedent(
             f"""
             import zerocopy_pickle as zp
-            from zerocopy_pickle.registry import resolve_name
+            from zerocopy_pickle.discovery import resolve_name
             from zerocopy_pickle.testing import assert_same
             loaded = zp.load({str(path)!r}, trusted={self.trusted_only!r} or None)
             assert_same(resolve_name({self.factory!r})(), loaded)

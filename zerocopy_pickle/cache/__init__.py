@@ -10,6 +10,9 @@ clients receive them over a private Unix socket and load them copy-on-write, zer
 short-lived child of a zygote that imported the libraries once. Keys fingerprint local files, so a changed
 checkpoint is a miss; cached objects passed as arguments travel as references. The cache may make a load
 faster, never make it fail: without a server, the call loads directly. See ``docs/cache.md``.
+
+This namespace is the cache's public API; its submodules are internal. Packages declare more patch points
+through the entry-point group ``zerocopy_pickle.cache_patch_points`` (``docs/cache.md``).
 """
 
 from __future__ import annotations

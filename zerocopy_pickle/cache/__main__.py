@@ -1,4 +1,4 @@
-"""``python -m zerocopy_pickle.cache serve ...``: the same as ``zerocopy-pickle serve ...``."""
+"""Internal: ``python -m zerocopy_pickle.cache serve ...``: the same as ``zerocopy-pickle serve ...``."""
 
 import sys
 

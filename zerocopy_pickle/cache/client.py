@@ -1,4 +1,4 @@
-"""The client side of the cache: keys, requests, loading entries, and falling back to a direct load.
+"""Internal: the client side of the cache: keys, requests, loading entries, and falling back to a direct load.
 
 The cache may make a load faster, never make it fail: if the server is absent, dead, slow or broken, or a call
 cannot be keyed, :func:`cached_call` calls the original loader directly and warns once per cause.

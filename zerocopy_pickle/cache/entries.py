@@ -1,4 +1,4 @@
-"""Turning objects into cache entries and back: pickling with argument references, deduplicating storages
+"""Internal: turning objects into cache entries and back: pickling with argument references, deduplicating storages
 into segments, and loading an entry as views into mapped segments.
 
 A call's arguments that are themselves cached objects (``vae=vae``), and wrappers or containers made of them

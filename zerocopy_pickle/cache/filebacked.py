@@ -1,4 +1,4 @@
-"""Finding the storages a loader left as untouched views of a file, so that the cache can reference the file
+"""Internal: finding the storages a loader left as untouched views of a file, so that the cache can reference the file
 instead of copying its bytes.
 
 safetensors (and so ``from_pretrained`` of diffusers and transformers) maps a checkpoint ``MAP_PRIVATE`` and

@@ -1,4 +1,4 @@
-"""Where the server and the loader look for modules and files: never in the directory they were started from.
+"""Internal: where the server and the loader look for modules and files: never in the directory they were started from.
 
 Python puts the directory it was started from first on ``sys.path`` (the working directory for ``python -m``,
 the script's directory, ``''`` for ``-c``), ahead of the standard library and site-packages. A server started

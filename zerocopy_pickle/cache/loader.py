@@ -1,4 +1,5 @@
-"""Loading misses: a zygote that imported torch and the model libraries once, and a short-lived child per miss.
+"""Internal: loading misses: a zygote that imported torch and the model libraries once, and a short-lived child
+per miss.
 
 Importing torch, transformers and diffusers takes seconds; paying it on every miss would make a first load
 several times slower than loading without the cache. So the server starts one *zygote* process that imports
@@ -32,9 +33,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import arena
-from ..registry import default_registry, resolve_name
+from ..discovery import resolve_name
 from . import entries, filebacked
 from .isolation import WORKDIR_ENV, clean_sys_path
+from .points import all_patch_points
 from .protocol import MAX_FDS, CacheError, receive, send
 
 __all__ = ["LEARNABLE", "PRELOAD", "argument_slots", "learnable", "patch_point_modules", "zygote_main"]
@@ -58,10 +60,7 @@ def learnable(name: str) -> bool:
 def patch_point_modules() -> list[str]:
     """The modules that define the patch points (``ModelMixin``, ``DiffusionPipeline``, ``PreTrainedModel``...):
     importing them is most of what a first ``from_pretrained`` costs, and every child needs them."""
-    from .patch import DEFAULT_PATCH_POINTS
-
-    points = [*DEFAULT_PATCH_POINTS, *(target for _, target in default_registry().patch_points())]
-    return [point.partition(":")[0] for point in points]
+    return [point.partition(":")[0] for point in all_patch_points()]
 
 
 def _preload(names: Sequence[str]) -> None:

@@ -1,4 +1,4 @@
-"""The wire between cache clients, the server and its loaders: a Unix socket in a private directory.
+"""Internal: the wire between cache clients, the server and its loaders: a Unix socket in a private directory.
 
 Messages are a JSON header, an optional binary payload, and file descriptors passed with ``SCM_RIGHTS``::
 

@@ -1,4 +1,4 @@
-"""The seed scenario, timed: load a VAE, two ControlNets, then the pipeline with ``vae=vae`` (and, in the
+"""Internal: the seed scenario, timed: load a VAE, two ControlNets, then the pipeline with ``vae=vae`` (and, in the
 ``wrapper`` variant, ``controlnet=MultiControlNetModel([edge, depth])``), plain and through the cache.
 
 ``zerocopy-pickle demo`` runs it on a tiny pipeline built here; ``benchmarks/cache.py`` on an SD1.5-sized one.

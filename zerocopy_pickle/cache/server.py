@@ -1,4 +1,4 @@
-"""The cache server: holds entries (sealed memfds, and the checkpoint files they reference) and hands them to
+"""Internal: the cache server: holds entries (sealed memfds, and the checkpoint files they reference) and hands them to
 clients over a Unix socket.
 
 One thread per client connection. A hit is answered from memory: the entry's stream and buffer table, and

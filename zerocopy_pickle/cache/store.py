@@ -1,4 +1,4 @@
-"""The server's memory: segments (sealed memfds of storage bytes, or checkpoint files) and the entries that
+"""Internal: the server's memory: segments (sealed memfds of storage bytes, or checkpoint files) and the entries that
 reference them.
 
 An *entry* is one cached call: its pickle stream (small, kept in the server's memory) and a table of buffers,
