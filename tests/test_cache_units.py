@@ -8,7 +8,6 @@ import mmap
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -16,6 +15,7 @@ from tests.conftest import run_python
 from zerocopy_pickle import arena
 from zerocopy_pickle.cache import filebacked, loader, protocol
 from zerocopy_pickle.cache.client import describe
+from zerocopy_pickle.cache.messages import BufferRow
 from zerocopy_pickle.cache.store import Entry, Store
 
 
@@ -26,14 +26,21 @@ def sealed_segment(data: bytes) -> int:
     return fd
 
 
-def read_range(store: Store, row: list[Any]) -> bytes:
-    segment = store.segments[row[0]]
-    return os.pread(segment.fd, row[2], row[1])
+def read_range(store: Store, row: BufferRow) -> bytes:
+    segment = store.segments[row.segment]
+    return os.pread(segment.fd, row.nbytes, row.offset)
 
 
 def entry(key: str, rows: list[tuple[int, int, int]]) -> Entry:
-    """An entry whose buffers are ``(segment, offset, nbytes)`` rows (segment 0: the segment sent with it)."""
-    return Entry(key, f"call {key}", b"stream", [[s, o, n, "cpu", f"digest-{s}-{o}"] for s, o, n in rows], [])
+    """An entry whose buffers are ``(segment, offset, nbytes)`` rows (segment 0: the segment sent with it; -1:
+    the first file sent with it)."""
+
+    def row(s: int, o: int, n: int) -> BufferRow:
+        if s < 0:
+            return BufferRow(-s - 1, o, n, "cpu", None, "file")
+        return BufferRow(s, o, n, "cpu", f"digest-{s}-{o}", "segment" if s else "new")
+
+    return Entry(key, f"call {key}", b"stream", [row(s, o, n) for s, o, n in rows], [])
 
 
 PAGE = mmap.PAGESIZE
@@ -73,7 +80,7 @@ def test_shared_segment_is_compacted_instead_of_kept_whole() -> None:
     assert store.total_bytes() <= store.max_bytes
     b_rows = store.entries["b"].buffers
     assert read_range(store, b_rows[0]) == b"shared-bytes" and read_range(store, b_rows[1]) == b"B" * PAGE
-    compacted = store.segments[b_rows[0][0]]
+    compacted = store.segments[b_rows[0].segment]
     assert compacted.nbytes < PAGE and arena.is_sealed(compacted.fd)
     # A load that started before the compaction refers to the old range: it is repointed, not refused.
     late = store.add(entry("d", [(segment_a, 4 * PAGE, 12)]), None)

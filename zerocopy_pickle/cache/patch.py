@@ -17,22 +17,10 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from ..registry import default_registry
 from .client import cached_call
+from .points import DEFAULT_PATCH_POINTS, all_patch_points
 
 __all__ = ["DEFAULT_PATCH_POINTS", "patch_all", "patched_points", "unpatch_all"]
-
-DEFAULT_PATCH_POINTS = (
-    "diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pretrained",
-    "diffusers.models.modeling_utils:ModelMixin.from_pretrained",
-    "diffusers.schedulers.scheduling_utils:SchedulerMixin.from_pretrained",
-    "transformers.modeling_utils:PreTrainedModel.from_pretrained",
-    "transformers.tokenization_utils_base:PreTrainedTokenizerBase.from_pretrained",
-    "transformers.models.auto.processing_auto:AutoProcessor.from_pretrained",
-    "torch.serialization:load",
-    "torch:load",
-    "safetensors.torch:load_file",
-)
 
 _lock = threading.RLock()
 _originals: dict[str, tuple[Any, str, Any]] = {}  # point -> (owner, attribute, original attribute value)
@@ -119,7 +107,7 @@ def patch_all(points: Sequence[str] | None = None, *, autostart: bool = True) ->
         The points patched so far (the others are patched on import).
     """
     if points is None:
-        points = [*DEFAULT_PATCH_POINTS, *(target for _, target in default_registry().patch_points())]
+        points = all_patch_points()
     with _lock:
         _options["autostart"] = autostart
         for point in points:
