@@ -178,7 +178,7 @@ def test_custom_pipeline_is_a_hit_in_a_fresh_process(server: ServerProcess, repo
     result = hit_in_a_fresh_process(server, client(CUSTOM_PIPELINE), str(repos / "tiny-pipeline"))
     assert result["module"] == ["diffusers_modules.local.my_pipeline", "diffusers_modules.local.my_unet"]
     calls = {entry["call"].partition("(")[0]: entry["plugins"] for entry in server.status()["entries"]}
-    assert calls == {"TinyPipeline.from_pretrained": ["dynamic-modules"]}
+    assert calls == {"DiffusionPipeline.from_pretrained": ["dynamic-modules"]}  # its components load inside it
 
 
 def test_torchscript_module_is_a_hit_in_a_fresh_process(server: ServerProcess) -> None:
@@ -191,7 +191,8 @@ def test_stable_fast_result_is_a_hit_in_a_fresh_process(server: ServerProcess) -
     pytest.importorskip("sfast.jit.trace_helper", reason="stable-fast is not installed (make setup)")
     result = hit_in_a_fresh_process(server, client(STABLE_FAST, ["tests.cache_helpers:stable_fast_module"]), "2")
     assert result["outputs"][2] == "StableFastResult"
-    assert [entry["plugins"] for entry in server.status()["entries"]] == [["stable-fast"]]
+    # The wrapper is sfast's (stable-fast); the module it wraps is a TorchScript module (torchscript).
+    assert [sorted(entry["plugins"]) for entry in server.status()["entries"]] == [["stable-fast", "torchscript"]]
 
 
 def test_bitsandbytes_model_is_a_hit_in_a_fresh_process(server: ServerProcess, tmp_path: Path) -> None:
