@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import arena
-from ..format import align_up, place_buffers
+from ..format import align_up, padded_pieces, place_buffers
 from .messages import BufferRow, decode_buffer_table, decode_plugins, encode_buffer_table
 from .protocol import CacheError, ProtocolError, open_private_directory, runtime_dir
 
@@ -731,19 +731,26 @@ def _identity(info: os.stat_result) -> tuple[int, ...]:
 
 
 def _copy_ranges(fd: int, ranges: dict[int, int], layout: dict[int, int], size: int) -> int:
-    """A new sealed memfd of ``size`` bytes holding each range ``offset: nbytes`` of ``fd`` at ``layout[offset]``."""
+    """A new sealed memfd of ``size`` bytes holding each range ``offset: nbytes`` of ``fd`` at ``layout[offset]``
+    (zero bytes between them: the pieces of :func:`format.padded_pieces`, written in one pass)."""
     out = arena.create_memfd("zerocopy_pickle-cache-compacted")
     try:
-        os.ftruncate(out, size)
         if size:
-            with (
-                mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ) as source,
-                mmap.mmap(out, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as target,
-            ):
-                for offset, nbytes in ranges.items():
-                    target[layout[offset] : layout[offset] + nbytes] = source[offset : offset + nbytes]
+            with mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ) as source:
+                _write_ranges(out, source, ranges, layout, size)
         arena.seal(out)
     except BaseException:
         os.close(out)
         raise
     return out
+
+
+def _write_ranges(out: int, source: mmap.mmap, ranges: dict[int, int], layout: dict[int, int], size: int) -> None:
+    # Every view of `source` dies when this returns, before the caller closes the mapping.
+    with memoryview(source) as view:
+        kept = sorted(ranges, key=layout.__getitem__)
+        pieces = padded_pieces([view[o : o + ranges[o]] for o in kept], [layout[o] for o in kept], end=size)
+        written = arena.write_pieces(out, pieces)
+        del pieces
+    if written != size:
+        raise OSError(f"short write while compacting a segment: {written} of {size} bytes")
