@@ -171,6 +171,27 @@ def test_server_side_imports_no_torch() -> None:
     assert json.loads(proc.stdout.strip().replace("'", '"')) == []
 
 
+def test_the_loader_and_the_cache_command_import_nothing_above_them() -> None:
+    """The loader needs neither the client nor the patching (no client -> loader -> patch -> client cycle), and
+    ``python -m zerocopy_pickle.cache`` runs the cache's own commands, not the top-level CLI."""
+    proc = run_python(
+        """
+        import runpy, sys
+        import zerocopy_pickle.cache.loader
+        print(sorted(m for m in ("zerocopy_pickle.cache.client", "zerocopy_pickle.cache.patch") if m in sys.modules))
+        sys.argv = ["zerocopy_pickle.cache", "--help"]
+        try:
+            runpy.run_module("zerocopy_pickle.cache", run_name="__main__")
+        except SystemExit:
+            pass
+        print(sorted(m for m in ("zerocopy_pickle.cli", "zerocopy_pickle.snapshot") if m in sys.modules))
+        """
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert lines == ["[]", "[]"], proc.stdout
+    assert "serve" in proc.stdout and "status" in proc.stdout  # the cache's commands, from --help
+
+
 def test_file_ranges_find_untouched_views_of_a_file(tmp_path: Path) -> None:
     path = tmp_path / "weights.bin"
     path.write_bytes(bytes(range(256)) * (4 * PAGE // 256) * 4)  # 16 pages
