@@ -99,7 +99,9 @@ def test_buffer_tables_are_checked() -> None:
             decode_buffer_table(bad)
     with pytest.raises(protocol.ProtocolError, match="place"):  # what a client may get: store segments only
         decode_buffer_table([["file", 0, 0, 8, "cpu", None]])
-    assert decode_buffer_table([["file", 0, 0, 8, "cpu", None]], places=PLACES)[0].place == "file"
+    for file_index in (0, 1, 7):  # the i-th file a loader sent: any index (checked against the files sent)
+        row = decode_buffer_table([["file", file_index, 0, 8, "cpu", None]], places=PLACES)[0]
+        assert (row.place, row.segment) == ("file", file_index)
 
 
 # -- the persistence directory ----------------------------------------------------------------------------------

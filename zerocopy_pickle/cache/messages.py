@@ -90,7 +90,7 @@ class BufferRow(NamedTuple):
         ):
             raise ProtocolError(f"{what} has a malformed buffer table row: {str(value)[:200]}")
         place, segment, offset, nbytes, location, digest = value
-        if (place == "segment") != (segment > 0) or (place == "new" and segment != 0):
+        if (place == "segment" and segment == 0) or (place == "new" and segment != 0):
             raise ProtocolError(f"{what} has a buffer row whose segment does not fit its place: {str(value)[:200]}")
         return cls(segment, offset, nbytes, location, digest, place)
 
