@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -148,3 +149,61 @@ def where_am_i(path: str) -> dict[str, Any]:
     import torch
 
     return {"sys_path": list(sys.path), "cwd": os.getcwd(), "state": torch.load(path, weights_only=True)}
+
+
+def scripted_module(seed: int) -> Any:
+    """A TorchScript module (``torch.jit.script`` of a small network), made with ``seed``."""
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.linear(x)) * 2
+
+    torch.manual_seed(seed)
+    return torch.jit.script(Net().eval())
+
+
+@dataclasses.dataclass
+class StableFastRequest:
+    x: Any
+    bias: Any
+
+
+@dataclasses.dataclass
+class StableFastResult:
+    y: Any
+    total: Any
+
+
+def stable_fast_request() -> StableFastRequest:
+    import torch
+
+    return StableFastRequest(torch.linspace(-1, 1, 8).reshape(2, 4), torch.arange(3.0))
+
+
+def stable_fast_module(seed: int) -> Any:
+    """What stable-fast's compilers make on CPU: a traced module (its TracedPosArgOnlyModuleWrapper) that takes and
+    returns dataclasses."""
+    import torch
+    from sfast.jit import trace_helper
+    from zerocopy_pickle_quirks import stable_fast
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 3)
+
+        def forward(self, request: StableFastRequest) -> StableFastResult:
+            y = self.linear(request.x) + request.bias
+            return StableFastResult(y=y, total=y.sum())
+
+    stable_fast.ensure_patched()  # before tracing, as any process that traces modules to dump them must
+    torch.manual_seed(seed)
+    traced, call_helper = trace_helper.trace_with_kwargs(
+        Model().eval(), (stable_fast_request(),), check_trace=False, strict=False
+    )
+    return call_helper(traced)

@@ -24,6 +24,7 @@ import pytest
 from zerocopy_pickle import arena
 from zerocopy_pickle.cache import protocol
 from zerocopy_pickle.cache.client import Client
+from zerocopy_pickle.cache.messages import PLACES, BufferRow, decode_buffer_table, encode_buffer_table
 from zerocopy_pickle.cache.store import KEY_FILE, Entry, Store
 
 from .cache_helpers import ServerProcess, private_dir
@@ -78,10 +79,29 @@ def test_file_descriptors_beyond_a_kinds_limit_are_refused_and_closed() -> None:
 
 
 def test_buffer_tables_are_checked() -> None:
-    assert protocol.check_buffer_table([[1, 0, 8, "cpu", None]]) == [[1, 0, 8, "cpu", None]]
-    for bad in ({}, [[1, -1, 8, "cpu", None]], [[1, 0, "8", "cpu", None]], [[1, 0, 8]], [None]):
+    row = ["segment", 1, 0, 8, "cpu", None]
+    assert decode_buffer_table([row]) == [BufferRow(1, 0, 8, "cpu", None)]
+    assert encode_buffer_table(decode_buffer_table([row])) == [row]
+    for bad in (
+        {},
+        [["segment", 1, -1, 8, "cpu", None]],
+        [["segment", 1, 0, "8", "cpu", None]],
+        [["segment", 1, 0, 8]],
+        [None],
+        [[1, 0, 8, "cpu", None]],  # the old positional row, without a place
+        [["segment", 0, 0, 8, "cpu", None]],  # a store segment id is positive
+        [["new", 3, 0, 8, "cpu", None]],  # the new segment is 0
+        [["elsewhere", 1, 0, 8, "cpu", None]],
+        [["segment", 1, 0, 8, "cpu", 7]],
+        [["segment", True, 0, 8, "cpu", None]],
+    ):
         with pytest.raises(protocol.ProtocolError):
-            protocol.check_buffer_table(bad)
+            decode_buffer_table(bad)
+    with pytest.raises(protocol.ProtocolError, match="place"):  # what a client may get: store segments only
+        decode_buffer_table([["file", 0, 0, 8, "cpu", None]])
+    for file_index in (0, 1, 7):  # the i-th file a loader sent: any index (checked against the files sent)
+        row = decode_buffer_table([["file", file_index, 0, 8, "cpu", None]], places=PLACES)[0]
+        assert (row.place, row.segment) == ("file", file_index)
 
 
 # -- the persistence directory ----------------------------------------------------------------------------------
@@ -95,7 +115,7 @@ def persisted_store(tmp_path: Path) -> tuple[Path, Path]:
     fd = arena.create_memfd("test-segment")
     os.write(fd, b"hello")
     arena.seal(fd)
-    store.add(Entry("a", "call a", b"stream", [[0, 0, 5, "cpu", None]], []), fd)
+    store.add(Entry("a", "call a", b"stream", [BufferRow(0, 0, 5, "cpu", None, "new")], []), fd)
     store.close()
     return persist, keys
 
@@ -213,6 +233,43 @@ def test_a_tampered_index_starts_cold_and_nothing_is_unpickled(tmp_path: Path) -
     assert "authentication code does not match" in (store.cold_start or "")
     store.close()
     assert not sentinel.exists()
+
+
+def resign_index(persist: Path, keys: Path, change: Any, version: int | None = None) -> None:
+    """Change the index's body (and maybe its version) and authenticate it again with the user's key: what an
+    older release of this server, or a bug, could have written."""
+    import hashlib
+    import hmac
+
+    index = persist / "index.json"
+    outer = json.loads(index.read_text())
+    body = json.loads(outer["body"])
+    change(body)
+    outer["body"] = json.dumps(body)
+    outer["hmac_sha256"] = hmac.new((keys / KEY_FILE).read_bytes(), outer["body"].encode(), hashlib.sha256).hexdigest()
+    if version is not None:
+        outer["version"] = version
+    index.write_text(json.dumps(outer))
+    os.chmod(index, 0o600)
+
+
+def test_an_index_of_an_older_format_is_dropped(tmp_path: Path) -> None:
+    persist, keys = persisted_store(tmp_path)
+
+    def positional_rows(body: dict[str, Any]) -> None:  # version 2: positional rows, no plugins
+        for entry in body["entries"]:
+            entry["buffers"] = [row[1:] for row in entry["buffers"]]
+            del entry["plugins"], entry["args_plugins"]
+
+    resign_index(persist, keys, positional_rows, version=2)
+    store = Store(persist=persist, key_dir=keys)
+    assert not store.entries and not store.segments and "format" in (store.cold_start or "")
+    store.close()
+    # The current version's number over the old rows (the index was left as it was): does not decode either.
+    resign_index(persist, keys, lambda body: None, version=3)
+    store = Store(persist=persist, key_dir=keys)
+    assert not store.entries and not store.segments and "damaged" in (store.cold_start or "")
+    store.close()
 
 
 def test_an_index_without_its_key_starts_cold(tmp_path: Path) -> None:
@@ -340,7 +397,7 @@ def test_a_missing_segment_drops_only_its_entries(tmp_path: Path) -> None:
     fd = arena.create_memfd("test-segment")
     os.write(fd, b"world")
     arena.seal(fd)
-    store.add(Entry("b", "call b", b"stream", [[0, 0, 5, "cpu", None]], []), fd)
+    store.add(Entry("b", "call b", b"stream", [BufferRow(0, 0, 5, "cpu", None, "new")], []), fd)
     store.close()
     (persist / "segment-1.bin").unlink()  # a crash between deleting a segment and writing the index
     again = Store(persist=persist, key_dir=keys)

@@ -7,7 +7,6 @@ import json
 import mmap
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -15,6 +14,7 @@ from tests.conftest import run_python
 from zerocopy_pickle import arena
 from zerocopy_pickle.cache import filebacked, loader, protocol
 from zerocopy_pickle.cache.client import describe
+from zerocopy_pickle.cache.messages import BufferRow
 from zerocopy_pickle.cache.store import Entry, Store
 
 
@@ -25,14 +25,21 @@ def sealed_segment(data: bytes) -> int:
     return fd
 
 
-def read_range(store: Store, row: list[Any]) -> bytes:
-    segment = store.segments[row[0]]
-    return os.pread(segment.fd, row[2], row[1])
+def read_range(store: Store, row: BufferRow) -> bytes:
+    segment = store.segments[row.segment]
+    return os.pread(segment.fd, row.nbytes, row.offset)
 
 
 def entry(key: str, rows: list[tuple[int, int, int]]) -> Entry:
-    """An entry whose buffers are ``(segment, offset, nbytes)`` rows (segment 0: the segment sent with it)."""
-    return Entry(key, f"call {key}", b"stream", [[s, o, n, "cpu", f"digest-{s}-{o}"] for s, o, n in rows], [])
+    """An entry whose buffers are ``(segment, offset, nbytes)`` rows (segment 0: the segment sent with it; -1:
+    the first file sent with it)."""
+
+    def row(s: int, o: int, n: int) -> BufferRow:
+        if s < 0:
+            return BufferRow(-s - 1, o, n, "cpu", None, "file")
+        return BufferRow(s, o, n, "cpu", f"digest-{s}-{o}", "segment" if s else "new")
+
+    return Entry(key, f"call {key}", b"stream", [row(s, o, n) for s, o, n in rows], [])
 
 
 PAGE = mmap.PAGESIZE
@@ -72,7 +79,7 @@ def test_shared_segment_is_compacted_instead_of_kept_whole() -> None:
     assert store.total_bytes() <= store.max_bytes
     b_rows = store.entries["b"].buffers
     assert read_range(store, b_rows[0]) == b"shared-bytes" and read_range(store, b_rows[1]) == b"B" * PAGE
-    compacted = store.segments[b_rows[0][0]]
+    compacted = store.segments[b_rows[0].segment]
     assert compacted.nbytes < PAGE and arena.is_sealed(compacted.fd)
     # A load that started before the compaction refers to the old range: it is repointed, not refused.
     late = store.add(entry("d", [(segment_a, 4 * PAGE, 12)]), None)
@@ -166,6 +173,27 @@ def test_server_side_imports_no_torch() -> None:
         """
     )
     assert json.loads(proc.stdout.strip().replace("'", '"')) == []
+
+
+def test_the_loader_and_the_cache_command_import_nothing_above_them() -> None:
+    """The loader needs neither the client nor the patching (no client -> loader -> patch -> client cycle), and
+    ``python -m zerocopy_pickle.cache`` runs the cache's own commands, not the top-level CLI."""
+    proc = run_python(
+        """
+        import runpy, sys
+        import zerocopy_pickle.cache.loader
+        print(sorted(m for m in ("zerocopy_pickle.cache.client", "zerocopy_pickle.cache.patch") if m in sys.modules))
+        sys.argv = ["zerocopy_pickle.cache", "--help"]
+        try:
+            runpy.run_module("zerocopy_pickle.cache", run_name="__main__")
+        except SystemExit:
+            pass
+        print(sorted(m for m in ("zerocopy_pickle.cli", "zerocopy_pickle.snapshot") if m in sys.modules))
+        """
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert lines == ["[]", "[]"], proc.stdout
+    assert "serve" in proc.stdout and "status" in proc.stdout  # the cache's commands, from --help
 
 
 def test_file_ranges_find_untouched_views_of_a_file(tmp_path: Path) -> None:

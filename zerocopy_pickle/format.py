@@ -24,7 +24,7 @@ import json
 import re
 import struct
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -86,6 +86,47 @@ def align_up(n: int, alignment: int) -> int:
 def buffer_alignment(nbytes: int) -> int:
     """The alignment a writer gives a buffer of ``nbytes``."""
     return LARGE_ALIGN if nbytes >= LARGE_BUFFER_NBYTES else MIN_ALIGN
+
+
+def place_buffers(sizes: Iterable[int], start: int = 0) -> tuple[list[int], int]:
+    """Where a writer puts buffers of ``sizes``, one after the other from ``start``: each offset aligned as
+    :func:`buffer_alignment` says; and the end of the last one. The one layout rule of every writer (snapshots,
+    the model cache's segments and their compaction)."""
+    offsets = []
+    cursor = start
+    for nbytes in sizes:
+        offset = align_up(cursor, buffer_alignment(nbytes))
+        offsets.append(offset)
+        cursor = offset + nbytes
+    return offsets, cursor
+
+
+_ZEROS = memoryview(bytes(PAGE))
+
+
+def padded_pieces(
+    views: Sequence[memoryview], offsets: Sequence[int], *, cursor: int = 0, end: int | None = None
+) -> list[memoryview]:
+    """The pieces that, written in order from position ``cursor``, put each view at its offset (same
+    coordinates as ``cursor``) with zero bytes in the gaps, and zeros up to ``end`` after the last one."""
+    pieces: list[memoryview] = []
+
+    def pad(to: int) -> None:
+        nonlocal cursor
+        while cursor < to:
+            gap = min(to - cursor, PAGE)
+            pieces.append(_ZEROS[:gap])
+            cursor += gap
+
+    for offset, view in zip(offsets, views, strict=True):
+        if offset < cursor:
+            raise ValueError(f"buffer offset {offset} overlaps what comes before it (at {cursor})")
+        pad(offset)
+        pieces.append(view)
+        cursor = offset + view.nbytes
+    if end is not None:
+        pad(end)
+    return pieces
 
 
 @dataclass(frozen=True)
@@ -190,14 +231,11 @@ def encode(
         The :class:`Layout`; the caller writes ``prefix``, the stream, zero padding up to ``data_offset``,
         then each buffer at ``data_offset + buffer_offsets[i]`` (zero padding between them).
     """
-    offsets = []
-    cursor = 0
-    table = []
-    for spec in buffers:
-        offset = align_up(cursor, buffer_alignment(spec.nbytes))
-        offsets.append(offset)
-        cursor = offset + spec.nbytes
-        table.append([offset, spec.nbytes, spec.location, spec.dtype, spec.readonly])
+    offsets, cursor = place_buffers(spec.nbytes for spec in buffers)
+    table = [
+        [offset, spec.nbytes, spec.location, spec.dtype, spec.readonly]
+        for offset, spec in zip(offsets, buffers, strict=True)
+    ]
     header = {
         "version": FORMAT_VERSION,
         "stream_nbytes": stream_nbytes,

@@ -26,19 +26,18 @@ from typing import IO, Any, BinaryIO, Union
 
 import torch
 
-from . import arena, format, integrity, streamcheck
+from . import arena, format, integrity, loadcore
 from ._version import __version__
-from .device import MapLocation, check_targets
+from .device import MapLocation
 from .errors import ArgumentError, DumpError, SnapshotError, Unpicklable, ZeroCopyPickleError
 from .locate import locate_failure
-from .pickler import ZeroCopyPickler, ZeroCopyUnpickler, dill_pickler
+from .pickler import ZeroCopyPickler, dill_pickler
 from .registry import Registry, default_registry
-from .restricted import AllowSpec, scan_stream, stream_uses
+from .restricted import AllowSpec, scan_stream
 
 __all__ = ["BACKENDS", "Snapshot", "dump", "dumps", "freeze", "load", "loads", "read_header", "scan"]
 
 PathLike = Union[str, "os.PathLike[str]"]
-_ZEROS = bytes(format.PAGE)  # padding source: every gap in a snapshot is shorter than a page
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -127,14 +126,12 @@ class _Prepared:
         )
         layout = self.layout
         pieces: list[arena.Piece] = [layout.prefix, body]
-        cursor = layout.stream_offset + body.nbytes
-        for offset, view in zip(layout.buffer_offsets, views, strict=True):
-            start = layout.data_offset + offset
-            pieces.append(memoryview(_ZEROS)[: start - cursor])
-            pieces.append(view)
-            cursor = start + view.nbytes
-        if not views:
-            pieces.append(memoryview(_ZEROS)[: layout.data_offset - cursor])
+        pieces += format.padded_pieces(
+            views,
+            [layout.data_offset + offset for offset in layout.buffer_offsets],
+            cursor=layout.stream_offset + body.nbytes,
+            end=layout.total_nbytes,
+        )
         self.pieces = pieces
 
 
@@ -332,47 +329,27 @@ def _load_view(
     if trusted is None:
         trusted = key is not None
     integrity.verify_stream(header, stream)
-    # A restricted load works out what the stream does (and checks its bounds) before anything runs; a trusted
-    # one checks the bounds only. Both are remembered by the stream's digest.
-    uses = None if trusted else stream_uses(stream)
-    consumed = streamcheck.validated(stream) if uses is None else uses.next_buffers
-    if consumed != len(header.buffers):
-        raise SnapshotError(
-            f"the pickle stream consumes {consumed} out-of-band buffer(s), the header declares {len(header.buffers)}"
-        )
-    check_targets(map_location, (entry.location for entry in header.buffers))
-    # Plugins' load hooks run only once trust is decided, and only for trusted loads: a hostile header must not
-    # make this process import or patch anything.
-    registry = registry if registry is not None else default_registry()
-    registry.prepare_load(header.plugins, trusted=trusted)
-    if verify and not stable:
-        buffers = integrity.copy_verified(header, view)  # later writes to the file cannot reach these
-    else:
+
+    def checked_buffers() -> list[memoryview]:
+        if verify and not stable:
+            return integrity.copy_verified(header, view)  # later writes to the file cannot reach these
         buffers = [view[start:stop] for start, stop in map(header.buffer_range, range(len(header.buffers)))]
         if verify:
             integrity.verify_buffers(header, buffers)
-    unpickler = ZeroCopyUnpickler(
-        io.BytesIO(stream),
-        buffers=buffers,
-        map_location=map_location,
+        return buffers
+
+    return loadcore.load_stream(
+        stream,
+        checked_buffers,
+        declared=len(header.buffers),
         trusted=trusted,
+        plugins=header.plugins,
         allow=allow,
-        plugins=[name for name, _ in header.plugins],
-        stream_uses=uses,
+        map_location=map_location,
+        locations=[entry.location for entry in header.buffers],
+        where=f"the pickle stream (offset {header.stream_offset})",
         registry=registry,
     )
-    try:
-        return unpickler.load()
-    except ZeroCopyPickleError:
-        raise
-    except (pickle.UnpicklingError, EOFError) as e:
-        raise SnapshotError(f"the pickle stream (offset {header.stream_offset}) is corrupt: {e}") from e
-    except Exception as e:
-        if trusted:
-            raise  # the snapshot's own code failed: the caller chose to run it
-        raise SnapshotError(
-            f"the pickle stream (offset {header.stream_offset}) does not rebuild: {type(e).__name__}: {e}"
-        ) from e
 
 
 def _map_fd(fd: int, nbytes: int, offset: int = 0) -> mmap.mmap:

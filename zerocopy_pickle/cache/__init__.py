@@ -68,27 +68,30 @@ def status() -> dict[str, Any]:
         CacheError: no server is running.
     """
     from .client import Client
+    from .messages import StatusReply, StatusRequest
 
     with Client() as client:
-        reply, _, _ = client.request({"op": "status"})
-    return dict(reply["status"])
+        reply, _, _ = client.request(StatusRequest())
+    return StatusReply.decode(reply).status
 
 
 def clear() -> int:
     """Drop every entry of the running server; return how many there were."""
     from .client import Client
+    from .messages import Clear, Cleared
 
     with Client() as client:
-        reply, _, _ = client.request({"op": "clear"})
-    return int(reply["cleared"])
+        reply, _, _ = client.request(Clear())
+    return Cleared.decode(reply).cleared
 
 
 def stop() -> None:
     """Stop the running server."""
     from .client import Client
+    from .messages import Stop
 
     with Client() as client:
-        client.request({"op": "stop"})
+        client.request(Stop())
 
 
 def serve(**kwargs: Any) -> None:

@@ -27,10 +27,11 @@ from typing import Any
 
 from .. import arena
 from .._version import __version__
+from ..loadcore import argument
 from . import entries
 from .isolation import WORKDIR_ENV, child_environment
-from .loader import argument_slots
-from .protocol import CacheError, ProtocolError, check_buffer_table, receive, runtime_dir, send, socket_path
+from .messages import Call, EntryReply, Failure, Get, Ping
+from .protocol import CacheError, ProtocolError, receive, runtime_dir, send, socket_path
 
 __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_result"]
 
@@ -95,7 +96,7 @@ class _ArgumentPickler(entries.RefPickler):
                 index = self._ref_index[id(obj)] = len(self.ref_objects)
                 self.ref_objects.append(obj)
                 self.ref_keys.append(key)
-            return entries.argument, (index,)
+            return argument, (index,)
         return super().reducer_override(obj)
 
 
@@ -172,9 +173,10 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
     module = point.partition(":")[0]
     import torch
 
+    owner = f"{cls.__module__}:{cls.__qualname__}" if cls is not None else None
     material = {
         "point": point,
-        "cls": f"{cls.__module__}:{cls.__qualname__}" if cls is not None else None,
+        "cls": owner,
         "args": hashlib.blake2b(stream, digest_size=32).hexdigest(),
         "refs": pickler.ref_keys,
         "files": files,
@@ -184,10 +186,13 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
     name = f"{cls.__qualname__}.{point.rpartition('.')[2]}" if cls is not None else point.partition(":")[2]
     shown = next((a for a in args if isinstance(a, (str, os.PathLike))), "")
     return {
+        "get": Get(
+            key,
+            Call(point, owner, pickler.ref_keys),
+            f"{name}({os.fspath(shown)!r}{', ...' if len(args) + len(kwargs) > 1 else ''})",
+            entries.plugin_list(pickler.plugins_used),
+        ),
         "key": key,
-        "call": {"function": point, "cls": material["cls"]},
-        "describe": f"{name}({os.fspath(shown)!r}{', ...' if len(args) + len(kwargs) > 1 else ''})",
-        "refs": pickler.ref_keys,
         "payload": stream,
         "ref_objects": pickler.ref_objects,
     }
@@ -207,8 +212,15 @@ class Client:
             raise CacheError(f"no cache server at {self.path} ({e.strerror or e})") from e
 
     def request(
-        self, header: dict[str, Any], payload: bytes = b"", timeout: float | None = None
+        self, message: Any, payload: bytes = b"", timeout: float | None = None
     ) -> tuple[dict[str, Any], bytes, list[int]]:
+        """Send a request (a message of :mod:`messages`, or its encoded header) and return the successful reply's
+        header (decode it with its message class), payload and fds (the caller closes them).
+
+        Raises:
+            CacheError: the server is gone, out of step, or refused the request (a :class:`messages.Failure`).
+        """
+        header = message.encode() if hasattr(message, "encode") else message
         if timeout is not None:
             self.sock.settimeout(timeout)
         try:
@@ -219,7 +231,7 @@ class Client:
         if not reply.get("ok"):
             for fd in fds:
                 os.close(fd)
-            raise CacheError(str(reply.get("error", "the cache server refused the request")))
+            raise CacheError(Failure.decode(reply).error)
         return reply, data, fds
 
     def close(self) -> None:
@@ -307,7 +319,7 @@ def start_server_in_background(wait: float = 10.0) -> None:
     while time.monotonic() < deadline:
         try:
             with Client(timeout=1.0) as client:
-                client.request({"op": "ping"})
+                client.request(Ping())
             return
         except CacheError:
             time.sleep(0.05)
@@ -357,20 +369,17 @@ def _fetch(request: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any
         start_server_in_background()
         client = Client()
     with client:
-        header = {k: request[k] for k in ("key", "call", "describe", "refs")}
-        reply, stream, fds = client.request({"op": "get", **header}, request["payload"], timeout=_timeout())
+        header, stream, fds = client.request(request["get"], request["payload"], timeout=_timeout())
     try:
-        check_buffer_table(reply.get("buffers"), "the server's entry")
-        if not isinstance(reply.get("segments"), list) or len(reply["segments"]) != len(fds):
-            raise ProtocolError("the server's entry does not match the file descriptors it sent")
-        mappings = entries.map_segments(reply["segments"], fds)
+        reply = EntryReply.decode(header, len(fds))
+        mappings = entries.map_segments(reply.segments, fds)
     finally:
         for fd in fds:
             os.close(fd)
     _prefaulter.submit(mappings.values())
-    refs = request["ref_objects"] + argument_slots(args, kwargs)
+    refs = request["ref_objects"] + entries.argument_slots(args, kwargs)
     try:
-        return entries.load_entry(stream, reply["buffers"], mappings, refs)
+        return entries.load_entry(stream, reply.buffers, mappings, refs, reply.plugins)
     except CacheError:
         raise
     except Exception as e:

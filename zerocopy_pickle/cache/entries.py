@@ -3,9 +3,12 @@ into segments, and loading an entry as views into mapped segments.
 
 A call's arguments that are themselves cached objects (``vae=vae``), and wrappers or containers made of them
 (``MultiControlNetModel([a, b])``, lists, dicts), are pickled with each cached object replaced by a reference:
-``zerocopy_pickle.cache.entries:argument(i)``, the i-th referenced entry. The same pickling gives the cache key
+``zerocopy_pickle.loadcore:argument(i)``, the i-th referenced entry. The same pickling gives the cache key
 (those references are stable: they name the referenced entries' keys) and the arguments' transport to the loader.
 The loader pickles the result the same way, so a loaded pipeline's ``vae`` *is* the caller's ``vae``.
+
+Every stream records the plugins its pickler used (as a snapshot header does), and every cache stream is loaded
+through the load core (:mod:`zerocopy_pickle.loadcore`), trusted, which runs those plugins' load hooks first.
 """
 
 from __future__ import annotations
@@ -15,30 +18,31 @@ import mmap
 import os
 import pickle
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import arena
-from ..format import align_up, buffer_alignment
+from ..format import BufferSpec, PluginRef, padded_pieces, place_buffers
 from ..integrity import checksum
-from ..pickler import ZeroCopyPickler, ZeroCopyUnpickler
+from ..loadcore import argument, load_stream
+from ..pickler import ZeroCopyPickler
 from .filebacked import FileRange
-from .protocol import CacheError
+from .messages import BufferRow
 
-__all__ = ["RefPickler", "argument", "build_segment", "load_entry"]
+__all__ = ["Pickled", "RefPickler", "argument_slots", "build_segment", "load_entry", "pickle_with_refs", "unpickle"]
 
 
-def argument(index: int) -> Any:
-    """Stands for the caller's ``index``-th referenced cached object in a cache stream.
-
-    Only the cache's unpickler resolves it (to that object); anything else calling it is a mistake.
-    """
-    raise CacheError("a cache argument reference can only be resolved by the model cache")
+def argument_slots(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments a result may hold by identity (a module passed as ``vae=vae``), in a fixed order that
+    the client and the loader both compute. Immutable primitives are left out: identity means nothing there."""
+    values = [*args, *(kwargs[k] for k in sorted(kwargs))]
+    return [v for v in values if not isinstance(v, (str, bytes, int, float, complex, bool, type(None)))]
 
 
 class RefPickler(ZeroCopyPickler):
-    """A :class:`ZeroCopyPickler` that pickles the objects in ``refs`` as references ``argument(i)``."""
+    """A :class:`ZeroCopyPickler` that pickles the objects in ``refs`` as references ``argument(i)``
+    (:func:`zerocopy_pickle.loadcore.argument`)."""
 
     def __init__(self, file: Any, refs: Sequence[object], **kwargs: Any) -> None:
         super().__init__(file, **kwargs)
@@ -52,32 +56,42 @@ class RefPickler(ZeroCopyPickler):
         return super().reducer_override(obj)
 
 
-class _RefUnpickler(ZeroCopyUnpickler):
-    def __init__(self, file: Any, refs: Sequence[object], **kwargs: Any) -> None:
-        super().__init__(file, trusted=True, **kwargs)
-        self._refs = refs
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == __name__ and name == "argument":
-            return self._refs.__getitem__
-        return super().find_class(module, name)
+Plugins = Sequence[tuple[str, str]]
 
 
-def unpickle(stream: bytes, buffers: Sequence[Any], refs: Sequence[object]) -> Any:
-    """Unpickle a cache stream, trusted: it comes from this user's own server, which got it from this user's own
-    loader. The snapshot loader's bounds check (``streamcheck``) is not run: it guards restricted loads against
-    streams that exploit the unpickler's arithmetic, and a trusted stream can run any code anyway; here it would
-    cost every fresh process tens of milliseconds per large entry."""
-    return _RefUnpickler(io.BytesIO(stream), refs, buffers=buffers).load()
+def plugin_list(refs: Sequence[PluginRef]) -> list[tuple[str, str]]:
+    """``(name, package)`` of each plugin a pickler used: what an entry records, as a snapshot header does."""
+    return [(ref.name, ref.package) for ref in refs]
+
+
+def unpickle(stream: bytes, buffers: Sequence[Any], refs: Sequence[object], plugins: Plugins = ()) -> Any:
+    """Unpickle a cache stream through the load core, trusted: it comes from this user's own server, which got it
+    from this user's own loader (or from this user's own client). The plugins it needs are prepared and their load
+    hooks run first, as for a trusted snapshot load. The bounds check is not run (see ``check_bounds`` in
+    :func:`zerocopy_pickle.loadcore.load_stream`)."""
+    return load_stream(
+        stream,
+        buffers,
+        trusted=True,
+        plugins=plugins,
+        arguments=refs,
+        check_bounds=False,
+        where="the cached entry's stream",
+        table="its buffer table",
+    )
 
 
 def load_entry(
-    stream: bytes, rows: Sequence[Sequence[Any]], segments: dict[int, mmap.mmap], refs: Sequence[object]
+    stream: bytes,
+    rows: Sequence[BufferRow],
+    segments: dict[int, mmap.mmap],
+    refs: Sequence[object],
+    plugins: Plugins = (),
 ) -> Any:
     """Rebuild an entry from its stream and buffer table, over private mappings of its segments."""
     views = {segment_id: memoryview(memory) for segment_id, memory in segments.items()}
-    buffers = [views[row[0]][row[1] : row[1] + row[2]] for row in rows]
-    return unpickle(stream, buffers, refs)
+    buffers = [views[row.segment][row.offset : row.offset + row.nbytes] for row in rows]
+    return unpickle(stream, buffers, refs, plugins)
 
 
 def map_segments(ids: Sequence[int], fds: Sequence[int]) -> dict[int, mmap.mmap]:
@@ -86,9 +100,19 @@ def map_segments(ids: Sequence[int], fds: Sequence[int]) -> dict[int, mmap.mmap]
     return {segment_id: arena.map_private(fd, size) for segment_id, (fd, size) in sizes.items() if size}
 
 
-def pickle_with_refs(obj: Any, refs: Sequence[object], *, in_band: bool) -> tuple[bytes, list[memoryview], list[Any]]:
-    """Pickle ``obj`` with ``refs`` as references. Returns ``(stream, buffers, specs)``; with ``in_band``, tensor
-    bytes stay in the stream (for small argument payloads and keys) and ``buffers`` is empty.
+class Pickled(NamedTuple):
+    """An object pickled for the cache: the stream, the out-of-band buffers (empty in band) with what the pickler
+    knows of each, and the plugins whose reducers it used."""
+
+    stream: bytes
+    views: list[memoryview]
+    specs: list[BufferSpec]
+    plugins: list[tuple[str, str]]
+
+
+def pickle_with_refs(obj: Any, refs: Sequence[object], *, in_band: bool) -> Pickled:
+    """Pickle ``obj`` with ``refs`` as references; with ``in_band``, tensor bytes stay in the stream (for small
+    argument payloads and keys) and there are no out-of-band buffers.
 
     Raises:
         pickle.PicklingError and friends: ``obj`` cannot be pickled.
@@ -105,7 +129,7 @@ def pickle_with_refs(obj: Any, refs: Sequence[object], *, in_band: bool) -> tupl
     pickler = RefPickler(out, refs, buffer_callback=callback, by_value=True)
     pickler.dump(obj)
     pickler.clear_memo()
-    return out.getvalue(), views, pickler.buffer_specs
+    return Pickled(out.getvalue(), views, pickler.buffer_specs, plugin_list(pickler.plugins_used))
 
 
 class SegmentView:
@@ -134,44 +158,44 @@ def build_segment(
     index: dict[str, list[tuple[int, int, int]]],
     provenance: Callable[[memoryview], tuple[int, int] | None],
     files: Sequence[FileRange | None] | None = None,
-) -> tuple[list[list[Any]], int | None]:
+) -> tuple[list[BufferRow], int | None]:
     """Place each buffer: where an identical one already is (compared byte for byte), in the file it is an
     untouched view of (``files``, from :func:`filebacked.file_ranges`), else in a new sealed memfd.
 
-    Returns the buffer table and the new segment's fd (or None). A row's segment is 0 for the new memfd,
-    ``-(i + 1)`` for the i-th file, or the id of an existing segment. File rows carry no digest: nothing is read
-    to place them.
+    Returns the buffer table and the new segment's fd (or None). Rows are in the ``segment`` place (an existing
+    segment), ``new`` (the new memfd) or ``file`` (the i-th file). File rows carry no digest: nothing is read to
+    place them.
     """
-    rows: list[list[Any]] = []
-    pieces: list[arena.Piece] = []
-    cursor = 0
-    zeros = bytes(4096)
+    rows: list[BufferRow] = []
+    new_views: list[memoryview] = []
+    new_rows: list[int] = []
     for i, (view, location) in enumerate(zip(views, locations, strict=True)):
         origin = provenance(view) if view.nbytes else None
         if origin is not None:  # a view into a segment this loader mapped (an argument's storage): verify it
             segment = existing.get(origin[0])
             if segment is not None and same_bytes(segment.view[origin[1] : origin[1] + view.nbytes], view):
-                rows.append([origin[0], origin[1], view.nbytes, location, sample_digest(view)])
+                rows.append(BufferRow(origin[0], origin[1], view.nbytes, location, sample_digest(view)))
                 continue
         file_range = files[i] if files is not None else None
         if file_range is not None:
-            rows.append([-(file_range.file + 1), file_range.offset, view.nbytes, location, None])
+            rows.append(BufferRow(file_range.file, file_range.offset, view.nbytes, location, None, "file"))
             continue
         digest = sample_digest(view)
         place = _find_existing(view, digest, existing, index)
         if place is not None:
-            rows.append([place[0], place[1], view.nbytes, location, digest])
+            rows.append(BufferRow(place[0], place[1], view.nbytes, location, digest))
             continue
-        offset = align_up(cursor, buffer_alignment(view.nbytes))
-        pieces.append(memoryview(zeros)[: offset - cursor])
-        pieces.append(view)
-        cursor = offset + view.nbytes
-        rows.append([0, offset, view.nbytes, location, digest])
-    if not cursor:
+        new_rows.append(len(rows))
+        new_views.append(view)
+        rows.append(BufferRow(0, 0, view.nbytes, location, digest, "new"))
+    offsets, end = place_buffers(view.nbytes for view in new_views)
+    for row_index, offset in zip(new_rows, offsets, strict=True):
+        rows[row_index] = rows[row_index]._replace(offset=offset)
+    if not end:
         return rows, None
     fd = arena.create_memfd("zerocopy_pickle-cache")
     try:
-        arena.write_pieces(fd, pieces)
+        arena.write_pieces(fd, padded_pieces(new_views, offsets))
         arena.seal(fd)
     except BaseException:
         os.close(fd)

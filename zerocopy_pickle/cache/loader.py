@@ -36,10 +36,11 @@ from .. import arena
 from ..discovery import resolve_name
 from . import entries, filebacked
 from .isolation import WORKDIR_ENV, clean_sys_path
+from .messages import Failure, Job, JobResult, Preload, Ready
 from .points import all_patch_points
-from .protocol import MAX_FDS, CacheError, receive, send
+from .protocol import MAX_FDS, CacheError, ProtocolError, receive, send
 
-__all__ = ["LEARNABLE", "PRELOAD", "argument_slots", "learnable", "patch_point_modules", "zygote_main"]
+__all__ = ["LEARNABLE", "PRELOAD", "learnable", "patch_point_modules", "zygote_main"]
 
 PRELOAD = ("torch", "safetensors.torch", "transformers", "diffusers")
 """Imported by the zygote when installed, so that children start with them."""
@@ -70,22 +71,14 @@ def _preload(names: Sequence[str]) -> None:
                 importlib.import_module(name)
 
 
-def argument_slots(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
-    """The arguments a result may hold by identity (a module passed as ``vae=vae``), in a fixed order that
-    the client and the loader both compute. Immutable primitives are left out: identity means nothing there."""
-    values = [*args, *(kwargs[k] for k in sorted(kwargs))]
-    return [v for v in values if not isinstance(v, (str, bytes, int, float, complex, bool, type(None)))]
-
-
-def run_job(header: dict[str, Any], payload: bytes, result: socket.socket, segment_fds: Sequence[int]) -> None:
+def run_job(job: Job, payload: bytes, result: socket.socket, segment_fds: Sequence[int]) -> None:
     """Execute one miss in this (forked) process and send the entry to the server."""
     clock = time.perf_counter
     timings: dict[str, float] = {}
     started = clock()
     modules_before = set(sys.modules)
-    segment_ids: list[int] = header["segments"]
-    private = entries.map_segments(segment_ids, segment_fds)
-    pristine = {i: entries.SegmentView(fd) for i, fd in zip(segment_ids, segment_fds, strict=True)}
+    private = entries.map_segments(job.segments, segment_fds)
+    pristine = {i: entries.SegmentView(fd) for i, fd in zip(job.segments, segment_fds, strict=True)}
     ranges: list[tuple[int, int, int]] = []
     for segment_id, memory in private.items():
         start = arena.buffer_address(memoryview(memory))
@@ -101,38 +94,38 @@ def run_job(header: dict[str, Any], payload: bytes, result: socket.socket, segme
                 return segment_id, address - start
         return None
 
-    # Rebuild the cached objects the call refers to (dependencies first), then the call's arguments.
+    # Rebuild the cached objects the call refers to (dependencies first), then the call's arguments: each stream
+    # through the load core, with its plugins' load hooks (a dynamic module's namespace, say) run first.
     cursor = 0
     rebuilt: dict[str, Any] = {}
-    for ref in header["refs"]:
-        args_stream = payload[cursor : cursor + ref["args_nbytes"]]
-        cursor += ref["args_nbytes"]
-        stream = payload[cursor : cursor + ref["stream_nbytes"]]
-        cursor += ref["stream_nbytes"]
-        ref_objects = [rebuilt[key] for key in ref["refs"]]
-        ref_args, ref_kwargs = entries.unpickle(args_stream, [], ref_objects)
-        slots = ref_objects + argument_slots(ref_args, ref_kwargs)
-        rebuilt[ref["key"]] = entries.load_entry(stream, ref["buffers"], private, slots)
-    call = header["call"]
-    call_refs = [rebuilt[key] for key in call["refs"]]
-    args, kwargs = entries.unpickle(payload[cursor:], [], call_refs)
+    for ref in job.refs:
+        args_stream = payload[cursor : cursor + ref.args_nbytes]
+        cursor += ref.args_nbytes
+        stream = payload[cursor : cursor + ref.stream_nbytes]
+        cursor += ref.stream_nbytes
+        ref_objects = [rebuilt[key] for key in ref.refs]
+        ref_args, ref_kwargs = entries.unpickle(args_stream, [], ref_objects, ref.args_plugins)
+        slots = ref_objects + entries.argument_slots(ref_args, ref_kwargs)
+        rebuilt[ref.key] = entries.load_entry(stream, ref.buffers, private, slots, ref.plugins)
+    call_refs = [rebuilt[key] for key in job.call.refs]
+    args, kwargs = entries.unpickle(payload[cursor:], [], call_refs, job.plugins)
     timings["arguments"] = clock() - started
 
-    function = resolve_name(call["function"])
-    if call.get("cls"):
-        function = getattr(resolve_name(call["cls"]), call["function"].rpartition(".")[2])
+    function = resolve_name(job.call.function)
+    if job.call.cls:
+        function = getattr(resolve_name(job.call.cls), job.call.function.rpartition(".")[2])
     mark = clock()
     value = function(*args, **kwargs)
     timings["call"] = clock() - mark
 
     mark = clock()
-    stream, views, specs = entries.pickle_with_refs(value, call_refs + argument_slots(args, kwargs), in_band=False)
+    pickled = entries.pickle_with_refs(value, call_refs + entries.argument_slots(args, kwargs), in_band=False)
     timings["pickle"] = clock() - mark
     index: dict[str, list[tuple[int, int, int]]] = {}
-    for digest, segment_id, offset, nbytes in header["index"]:
+    for digest, segment_id, offset, nbytes in job.index:
         index.setdefault(digest, []).append((segment_id, offset, nbytes))
     mark = clock()
-    files, file_fds = filebacked.file_ranges(views) if header.get("file_segments", True) else ([], [])
+    files, file_fds = filebacked.file_ranges(pickled.views) if job.file_segments else ([], [])
     if len(file_fds) > MAX_FDS - 1:  # one message carries them all: copy what refers to the files beyond
         for fd in file_fds[MAX_FDS - 1 :]:
             os.close(fd)
@@ -142,7 +135,7 @@ def run_job(header: dict[str, Any], payload: bytes, result: socket.socket, segme
     mark = clock()
     try:
         rows, new_fd = entries.build_segment(
-            views, [s.location for s in specs], pristine, index, provenance, files or None
+            pickled.views, [s.location for s in pickled.specs], pristine, index, provenance, files or None
         )
     except BaseException:
         for fd in file_fds:
@@ -153,27 +146,25 @@ def run_job(header: dict[str, Any], payload: bytes, result: socket.socket, segme
     imported = sorted(name for name in set(sys.modules) - modules_before if learnable(name))
     fds = [new_fd] if new_fd is not None else []
     try:
-        reply = {"ok": True, "buffers": rows, "imported": imported, "timings": timings,
-                 "new_segment": new_fd is not None, "files": len(file_fds)}  # fmt: skip
-        send(result, reply, stream, fds + file_fds)
+        reply = JobResult(rows, pickled.plugins, imported, timings, new_fd is not None, len(file_fds))
+        send(result, reply.encode(), pickled.stream, fds + file_fds)
     finally:
         for fd in fds + file_fds:
             os.close(fd)
 
 
-def _child(header: dict[str, Any], payload: bytes, fds: list[int], workdir: str | None) -> int:
+def _child(job: Job, payload: bytes, fds: list[int], workdir: str | None) -> int:
     result = socket.socket(fileno=fds[0])
     try:
         if workdir:  # relative paths of the call resolve where they always did (imports never look there)
             with contextlib.suppress(OSError):
                 os.chdir(workdir)
-        run_job(header, payload, result, fds[1:])
+        run_job(job, payload, result, fds[1:])
         return 0
     except BaseException as e:
         with contextlib.suppress(OSError):
-            send(
-                result, {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-8000:]}
-            )
+            failure = Failure(f"{type(e).__name__}: {e}", traceback.format_exc()[-8000:])
+            send(result, failure.encode())
         return 1
 
 
@@ -191,21 +182,26 @@ def zygote_main(control_fd: int) -> None:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     _preload(patch_point_modules())
-    send(control, {"op": "ready", "pid": os.getpid()})
+    send(control, Ready(os.getpid()).encode())
     while True:
         try:
             header, payload, fds = receive(control)
         except (ConnectionError, CacheError, OSError):
             break
-        if header.get("op") == "stop":
+        op = header.get("op")
+        if op == Preload.OP:
+            with contextlib.suppress(ProtocolError):
+                _preload(Preload.decode(header).modules)
+            continue
+        try:
+            if op != Job.OP:
+                raise ProtocolError(f"the zygote got {str(op)[:100]!r}, not a job")
+            job = Job.decode(header)
+        except ProtocolError:  # "stop", or something the server would never send: stop
             for fd in fds:
                 os.close(fd)
             break
-        if header.get("op") == "preload":
-            _preload([str(name) for name in header.get("modules", [])])
-            continue
-        call = header.get("call", {})
-        _preload([str(call.get(name, "")).partition(":")[0] for name in ("function", "cls")])
+        _preload([(name or "").partition(":")[0] for name in (job.call.function, job.call.cls)])
         # What the zygote holds is never garbage: out of the collector's sight, a child neither scans it (the
         # libraries are millions of objects: collections cost a child hundreds of milliseconds) nor writes to
         # its pages (which would copy them). The child is short-lived: it does not collect at all.
@@ -216,7 +212,7 @@ def zygote_main(control_fd: int) -> None:
             try:
                 gc.disable()
                 control.close()
-                code = _child(header, payload, fds, workdir)
+                code = _child(job, payload, fds, workdir)
             finally:
                 os._exit(code)
         for fd in fds:

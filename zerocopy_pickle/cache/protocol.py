@@ -39,7 +39,6 @@ __all__ = [
     "CacheError",
     "Limits",
     "ProtocolError",
-    "check_buffer_table",
     "open_private_directory",
     "peer_credentials",
     "receive",
@@ -256,24 +255,3 @@ def _receive_exactly(sock: socket.socket, nbytes: int) -> bytes:
             raise ProtocolError(f"the peer hung up {nbytes - got} bytes before the end of a message")
         got += n
     return bytes(buffer)
-
-
-def check_buffer_table(rows: Any, what: str = "an entry") -> list[list[Any]]:
-    """``rows`` if it is a buffer table (``[segment, offset, nbytes, location, digest]`` rows, at most
-    :data:`MAX_BUFFERS` of them, integers where integers belong).
-
-    Raises:
-        ProtocolError: it is not.
-    """
-    if not isinstance(rows, list) or len(rows) > MAX_BUFFERS:
-        raise ProtocolError(f"{what} has a buffer table that is not a list of at most {MAX_BUFFERS} rows")
-    for row in rows:
-        if not (
-            isinstance(row, list)
-            and len(row) == 5
-            and all(type(v) is int for v in row[:3])
-            and row[1] >= 0
-            and row[2] >= 0
-        ):
-            raise ProtocolError(f"{what} has a malformed buffer table row: {str(row)[:200]}")
-    return rows

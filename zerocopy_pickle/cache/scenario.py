@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .client import Client
+from .messages import StatusReply, StatusRequest
 from .protocol import CacheError
 
 __all__ = ["STEPS", "measure", "print_table", "run_demo"]
@@ -99,8 +100,9 @@ def private_server(*args: str) -> Iterator[dict[str, str]]:
         while True:
             try:
                 with Client(directory / "server.sock", timeout=5) as client:
-                    reply, _, _ = client.request({"op": "status"})
-                if reply["status"]["loader_ready"]:  # as a server started ahead of its clients would be
+                    reply, _, _ = client.request(StatusRequest())
+                # As a server started ahead of its clients would be:
+                if StatusReply.decode(reply).status["loader_ready"]:
                     break
             except CacheError:
                 pass

@@ -22,20 +22,28 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .isolation import WORKDIR_ENV, child_environment, clean_sys_path
-from .protocol import (
-    MAX_FDS,
-    REQUEST,
-    CacheError,
-    ProtocolError,
-    check_buffer_table,
-    peer_credentials,
-    receive,
-    runtime_dir,
-    send,
+from .messages import (
+    Clear,
+    Cleared,
+    Done,
+    EntryReply,
+    Failure,
+    Get,
+    Job,
+    JobRef,
+    JobResult,
+    Ping,
+    Pong,
+    Preload,
+    Ready,
+    StatusReply,
+    StatusRequest,
+    Stop,
+    decode_request,
 )
+from .protocol import MAX_FDS, REQUEST, CacheError, ProtocolError, peer_credentials, receive, runtime_dir, send
 from .store import Entry, Store
 
 __all__ = ["Server", "serve"]
@@ -164,14 +172,14 @@ class Server:
         self._zygote_socket = parent
         self._zygote_ready = threading.Event()
         if self._learned:  # a restarted zygote: queued behind its imports, before any job
-            send(parent, {"op": "preload", "modules": sorted(self._learned)})
+            send(parent, Preload(sorted(self._learned)).encode())
 
         def wait_ready() -> None:
             with contextlib.suppress(ConnectionError, CacheError, OSError):
                 header, _, fds = receive(parent)
                 for fd in fds:
                     os.close(fd)
-                if header.get("op") == "ready":
+                if header.get("op") == Ready.OP:
                     self._zygote_ready.set()
 
         threading.Thread(target=wait_ready, daemon=True).start()
@@ -179,7 +187,7 @@ class Server:
     def _stop_zygote(self) -> None:
         if self._zygote_socket is not None:
             with contextlib.suppress(OSError):
-                send(self._zygote_socket, {"op": "stop"})
+                send(self._zygote_socket, Stop().encode())
             self._zygote_socket.close()
             self._zygote_socket = None
         if self._zygote is not None:
@@ -190,7 +198,7 @@ class Server:
                 self._zygote.wait()
             self._zygote = None
 
-    def _submit(self, header: dict[str, Any], payload: bytes, fds: list[int]) -> None:
+    def _submit(self, job: Job, payload: bytes, fds: list[int]) -> None:
         with self._zygote_lock:
             if self._zygote is None or self._zygote.poll() is not None:
                 self._stop_zygote()
@@ -198,7 +206,7 @@ class Server:
             if not self._zygote_ready.wait(timeout=300):
                 raise CacheError("the cache's loader process did not start")
             assert self._zygote_socket is not None
-            send(self._zygote_socket, header, payload, fds)
+            send(self._zygote_socket, job.encode(), payload, fds)
 
     def _teach_zygote(self, modules: list[str]) -> None:
         """Have the zygote import what the last child imported by itself, so the next child starts with it."""
@@ -209,7 +217,7 @@ class Server:
             self._learned.update(new)
             if self._zygote_socket is not None:
                 with contextlib.suppress(OSError):
-                    send(self._zygote_socket, {"op": "preload", "modules": new})
+                    send(self._zygote_socket, Preload(new).encode())
 
     # -- requests ------------------------------------------------------------------------------------------------
 
@@ -218,71 +226,66 @@ class Server:
             _, uid, _ = peer_credentials(conn)
             if uid != os.getuid():
                 with contextlib.suppress(OSError):
-                    send(conn, {"ok": False, "error": f"uid {uid} may not use the cache of uid {os.getuid()}"})
+                    send(conn, Failure(f"uid {uid} may not use the cache of uid {os.getuid()}").encode())
                 return
             while not self.stopping.is_set():
                 try:
                     header, payload, fds = receive(conn, REQUEST)
                 except ProtocolError as e:  # out of step (or a hostile peer): say why, and hang up
                     with contextlib.suppress(OSError):
-                        send(conn, {"ok": False, "error": f"protocol error: {e}"})
+                        send(conn, Failure(f"protocol error: {e}").encode())
                     return
                 except (ConnectionError, OSError):
                     return
                 for fd in fds:  # clients never send fds
                     os.close(fd)
                 try:
-                    self._dispatch(conn, header, payload)
+                    request = decode_request(header)
+                except ProtocolError as e:  # a malformed request: refuse it, serve on
+                    with contextlib.suppress(OSError):
+                        send(conn, Failure(f"malformed request ({e})").encode())
+                    continue
+                try:
+                    self._dispatch(conn, request, payload)
                 except (BrokenPipeError, ConnectionResetError):
                     return  # the client went away mid-reply; whatever it was sent dies with the socket
                 except CacheError as e:
                     with contextlib.suppress(OSError):
-                        send(conn, {"ok": False, "error": str(e)})
-                except (KeyError, TypeError, ValueError) as e:  # a malformed request: refuse it, serve on
-                    with contextlib.suppress(OSError):
-                        send(conn, {"ok": False, "error": f"malformed request ({type(e).__name__}: {e})"})
+                        send(conn, Failure(str(e)).encode())
 
-    def _dispatch(self, conn: socket.socket, header: dict[str, Any], payload: bytes) -> None:
-        op = header.get("op")
-        if op == "ping":
-            send(conn, {"ok": True, "pid": os.getpid()})
-        elif op == "get":
-            self._get(conn, header, payload)
-        elif op == "status":
+    def _dispatch(self, conn: socket.socket, request: Ping | Get, payload: bytes) -> None:
+        if isinstance(request, Get):
+            self._get(conn, request, payload)
+        elif isinstance(request, StatusRequest):
             zygote = self._zygote.pid if self._zygote is not None and self._zygote.poll() is None else None
             ready = zygote is not None and self._zygote_ready.is_set()
             status = {**self.store.status(), "pid": os.getpid(), "loader_pid": zygote, "loader_ready": ready}
-            send(conn, {"ok": True, "status": status})
-        elif op == "clear":
-            send(conn, {"ok": True, "cleared": self.store.clear()})
-        elif op == "stop":
-            send(conn, {"ok": True})
+            send(conn, StatusReply(status).encode())
+        elif isinstance(request, Clear):
+            send(conn, Cleared(self.store.clear()).encode())
+        elif isinstance(request, Stop):
+            send(conn, Done().encode())
             self.stop()
         else:
-            raise CacheError(f"unknown request {op!r}")
+            send(conn, Pong(os.getpid()).encode())
 
-    def _get(self, conn: socket.socket, header: dict[str, Any], payload: bytes) -> None:
-        key = str(header["key"])
+    def _get(self, conn: socket.socket, request: Get, payload: bytes) -> None:
+        key = request.key
         entry = self.store.get(key)
         hit = entry is not None
         if entry is None:
-            entry = self._load(key, header, payload)
+            entry = self._load(key, request, payload)
         with self.store.lock:
             ids = entry.segment_ids
             # Duplicates, taken under the lock: an eviction may close the store's own fds at any moment.
             fds = [os.dup(fd) for fd in self.store.segment_fds(ids)]
         try:
-            send(
-                conn,
-                {"ok": True, "hit": hit, "key": entry.key, "buffers": entry.buffers, "segments": ids},
-                entry.stream,
-                fds,
-            )
+            send(conn, EntryReply(hit, entry.key, entry.buffers, ids, entry.plugins).encode(), entry.stream, fds)
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def _load(self, key: str, header: dict[str, Any], payload: bytes) -> Entry:
+    def _load(self, key: str, request: Get, payload: bytes) -> Entry:
         with self._inflight_lock:
             inflight = self._inflight.get(key)
             owner = inflight is None
@@ -296,7 +299,7 @@ class Server:
                 raise CacheError(inflight.error or "the load this request waited for did not produce an entry")
             return entry
         try:
-            return self._run_loader(key, header, payload)
+            return self._run_loader(key, request, payload)
         except CacheError as e:
             inflight.error = str(e)
             raise
@@ -305,9 +308,9 @@ class Server:
                 del self._inflight[key]
             inflight.done.set()
 
-    def _run_loader(self, key: str, header: dict[str, Any], payload: bytes) -> Entry:
+    def _run_loader(self, key: str, request: Get, payload: bytes) -> Entry:
         started = time.monotonic()
-        refs = [str(r) for r in header.get("refs", [])]
+        refs = request.call.refs
         closure = self.store.closure(refs)
         if closure is None:
             raise CacheError("an argument of this call was evicted from the cache; loading directly")
@@ -315,18 +318,11 @@ class Server:
         index_ids, index = self.store.dedup_index(MAX_FDS - 1 - len(needed))
         ids = sorted(set(needed) | set(index_ids))
         job_refs = [
-            {
-                "key": e.key,
-                "args_nbytes": len(e.args),
-                "stream_nbytes": len(e.stream),
-                "buffers": e.buffers,
-                "refs": e.refs,
-            }
-            for e in closure
+            JobRef(e.key, len(e.args), len(e.stream), e.buffers, e.refs, e.plugins, e.args_plugins) for e in closure
         ]
         blob = b"".join(part for e in closure for part in (e.args, e.stream)) + payload
-        job = {"op": "load", "call": {**header["call"], "refs": refs}, "refs": job_refs, "segments": ids,
-               "index": [row for row in index if row[1] in ids], "file_segments": self.file_segments}  # fmt: skip
+        job = Job(request.call, request.plugins, job_refs, ids, [row for row in index if row[1] in ids],
+                  self.file_segments)  # fmt: skip
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with ours:
             with self.store.lock:
@@ -339,32 +335,25 @@ class Server:
                     os.close(fd)
             ours.settimeout(self.loader_timeout)
             try:
-                reply, stream, fds = receive(ours)
+                header, stream, fds = receive(ours)
             except (ConnectionError, ProtocolError) as e:
                 raise CacheError("the loader process died before it produced the result") from e
             except TimeoutError as e:
                 raise CacheError(f"the loader took longer than {self.loader_timeout:.0f} s") from e
-        if not reply.get("ok"):
-            for fd in fds:
-                os.close(fd)
-            raise CacheError(f"loading failed in the cache's loader: {reply.get('error')}")
         try:
-            check_buffer_table(reply.get("buffers"), "the loader's entry")
-        except ProtocolError:
+            if not header.get("ok"):
+                raise CacheError(f"loading failed in the cache's loader: {Failure.decode(header).error}")
+            reply = JobResult.decode(header, len(fds))
+        except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        self._teach_zygote([str(name) for name in reply.get("imported", [])])
-        timings = {str(k): float(v) for k, v in reply.get("timings", {}).items()}
-        timings["server"] = time.monotonic() - started
-        entry = Entry(key, str(header.get("describe", key)), stream, reply["buffers"], refs, args=payload,
-                      timings=timings)  # fmt: skip
-        new_segment = bool(reply.get("new_segment", bool(fds)))
-        if len(fds) != int(new_segment) + int(reply.get("files", 0)):
-            for fd in fds:
-                os.close(fd)
-            raise CacheError("the loader's reply does not match the file descriptors it sent")
-        return self.store.add(entry, fds[0] if new_segment else None, fds[int(new_segment) :])
+        self._teach_zygote(reply.imported)
+        timings = {**reply.timings, "server": time.monotonic() - started}
+        entry = Entry(key, request.describe or key, stream, reply.buffers, refs, args=payload, timings=timings,
+                      plugins=reply.plugins, args_plugins=request.plugins)  # fmt: skip
+        new_fd = fds[0] if reply.new_segment else None
+        return self.store.add(entry, new_fd, fds[int(reply.new_segment) :])
 
 
 def serve(

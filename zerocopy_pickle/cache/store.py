@@ -46,13 +46,14 @@ from pathlib import Path
 from typing import Any
 
 from .. import arena
-from ..format import align_up, buffer_alignment
-from .protocol import CacheError, check_buffer_table, open_private_directory, runtime_dir
+from ..format import align_up, padded_pieces, place_buffers
+from .messages import BufferRow, decode_buffer_table, decode_plugins, encode_buffer_table
+from .protocol import CacheError, ProtocolError, open_private_directory, runtime_dir
 
 __all__ = ["KEY_FILE", "Entry", "Segment", "Store", "persistence_key"]
 
 _INDEX = "index.json"
-_INDEX_VERSION = 2
+_INDEX_VERSION = 3  # 3: typed buffer rows and the plugins entries need; an older index is dropped (cold start)
 KEY_FILE = "persist.key"
 """The persistence key's name in the runtime directory: 32 random bytes, mode 0600, one per user."""
 _KEY_BYTES = 32
@@ -86,25 +87,63 @@ class Segment:
 
 @dataclass
 class Entry:
-    """One cached call. ``buffers`` rows are ``[segment id, offset, nbytes, location, digest]``."""
+    """One cached call: its stream, its buffers (:class:`~zerocopy_pickle.cache.messages.BufferRow`), the keys of
+    the entries it references, and the plugins its stream (``plugins``) and its pickled arguments
+    (``args_plugins``) need, as a snapshot header records them."""
 
     key: str
     call: str
     stream: bytes
-    buffers: list[list[Any]]
+    buffers: list[BufferRow]
     refs: list[str]
     args: bytes = b""  # the call's pickled arguments, to rebuild this entry's result when it is an argument
     created: float = field(default_factory=time.time)
     hits: int = 0
     timings: dict[str, float] = field(default_factory=dict)  # where the loader's time went (seconds)
+    plugins: list[tuple[str, str]] = field(default_factory=list)
+    args_plugins: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def segment_ids(self) -> list[int]:
-        return sorted({row[0] for row in self.buffers})
+        return sorted({row.segment for row in self.buffers})
 
     @property
     def nbytes(self) -> int:
-        return sum(row[2] for row in self.buffers)
+        return sum(row.nbytes for row in self.buffers)
+
+    def encode(self) -> dict[str, Any]:
+        """The entry as the persisted index holds it."""
+        return {**asdict(self), "buffers": encode_buffer_table(self.buffers), "stream": self.stream.hex(),
+                "args": self.args.hex(), "plugins": [list(p) for p in self.plugins],
+                "args_plugins": [list(p) for p in self.args_plugins]}  # fmt: skip
+
+    @classmethod
+    def decode(cls, row: Any) -> Entry:
+        """An entry of the persisted index (already authenticated).
+
+        Raises:
+            ProtocolError, KeyError, TypeError, ValueError: it is malformed.
+        """
+        what = "a persisted entry"
+        if not isinstance(row, dict):
+            raise ProtocolError(f"{what} is not an object")
+        refs = row["refs"]
+        if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
+            raise ProtocolError(f"{what} has malformed references")
+        timings = row.get("timings", {})
+        return cls(
+            str(row["key"]),
+            str(row["call"]),
+            bytes.fromhex(row["stream"]),
+            decode_buffer_table(row["buffers"], what),
+            refs,
+            bytes.fromhex(row["args"]),
+            float(row["created"]),
+            int(row["hits"]),
+            {str(k): float(v) for k, v in timings.items()},
+            decode_plugins(row["plugins"], what),
+            decode_plugins(row["args_plugins"], what),
+        )
 
 
 class Store:
@@ -193,7 +232,7 @@ class Store:
         with self.lock:
             return [self.segments[i].fd for i in ids]
 
-    def dedup_index(self, limit: int) -> tuple[list[int], list[list[Any]]]:
+    def dedup_index(self, limit: int) -> tuple[list[int], list[tuple[str, int, int, int]]]:
         """Segments a loader may reference (at most ``limit``, most recent first) and ``[digest, segment,
         offset, nbytes]`` for every buffer in them."""
         with self.lock:
@@ -202,17 +241,18 @@ class Store:
             index = []
             seen: set[tuple[int, int]] = set()
             for entry in self.entries.values():
-                for segment, offset, nbytes, _location, digest in entry.buffers:
-                    if digest is not None and segment in chosen and (segment, offset) not in seen:
-                        seen.add((segment, offset))
-                        index.append([digest, segment, offset, nbytes])
+                for row in entry.buffers:
+                    place = (row.segment, row.offset)
+                    if row.digest is not None and row.segment in chosen and place not in seen:
+                        seen.add(place)
+                        index.append((row.digest, row.segment, row.offset, row.nbytes))
             return ids, index
 
     # -- changes ------------------------------------------------------------------------------------------------
 
     def add(self, entry: Entry, new_segment_fd: int | None, file_fds: Sequence[int] = ()) -> Entry:
-        """Register an entry whose buffers refer to existing segments, to the new memfd (segment 0) or to the
-        i-th of ``file_fds`` (segment ``-(i + 1)``).
+        """Register an entry whose buffers refer to existing segments, to the new memfd (place ``new``) or to the
+        i-th of ``file_fds`` (place ``file``, segment ``i``).
 
         Takes ownership of ``new_segment_fd`` and ``file_fds``.
 
@@ -230,16 +270,14 @@ class Store:
                     os.close(fd)
                 self._collect_unused()  # file segments adopted for this entry and used by no other
                 raise
-            for row in entry.buffers:
-                if row[0] == 0 and segment is not None:
-                    row[0] = segment.id
-                elif row[0] < 0 and -row[0] <= len(file_ids):
-                    row[0] = file_ids[-row[0] - 1]
-            for row in entry.buffers:  # ranges the loader found in segments compacted since
-                if (row[0], row[1]) in self._moved:
-                    row[0], row[1] = self._moved[row[0], row[1]]
-            missing = {row[0] for row in entry.buffers} - self.segments.keys()
+            try:
+                entry.buffers = self._place(entry.buffers, segment, file_ids)
+            except CacheError:
+                self._collect_unused()  # what was adopted for this entry alone
+                raise
+            missing = {row.segment for row in entry.buffers} - self.segments.keys()
             if missing:
+                self._collect_unused()
                 raise CacheError(f"the entry refers to segments {sorted(missing)}, which are gone")
             old = self.entries.pop(entry.key, None)
             if old is not None:
@@ -251,6 +289,26 @@ class Store:
             self._evict(keep=entry.key)
             self._save_index()
             return entry
+
+    def _place(self, sent_rows: list[BufferRow], segment: Segment | None, file_ids: list[int]) -> list[BufferRow]:
+        """A loader's rows as rows of the store: ``new`` and ``file`` places become the segments adopted for
+        them, and ranges of segments compacted since the loader saw them move with them."""
+        rows = []
+        for sent in sent_rows:
+            row = sent
+            if sent.place == "new":
+                if segment is None:
+                    raise CacheError("the entry refers to a new segment that was not sent")
+                row = sent._replace(segment=segment.id, place="segment")
+            elif sent.place == "file":
+                if sent.segment >= len(file_ids):
+                    raise CacheError(f"the entry refers to file {sent.segment}, which was not sent")
+                row = sent._replace(segment=file_ids[sent.segment], place="segment")
+            elif (sent.segment, sent.offset) in self._moved:  # a range in a segment compacted since
+                moved_segment, moved_offset = self._moved[sent.segment, sent.offset]
+                row = sent._replace(segment=moved_segment, offset=moved_offset)
+            rows.append(row)
+        return rows
 
     def _adopt_segment(self, fd: int) -> Segment:
         try:
@@ -337,25 +395,24 @@ class Store:
         whether that freed anything."""
         used: dict[int, dict[int, int]] = {}  # segment -> {offset: nbytes} of the ranges entries use
         for entry in self.entries.values():
-            for segment_id, offset, nbytes, *_ in entry.buffers:
-                used.setdefault(segment_id, {})[offset] = nbytes
+            for row in entry.buffers:
+                used.setdefault(row.segment, {})[row.offset] = row.nbytes
         freed = False
         for segment_id, ranges in used.items():
             segment = self.segments[segment_id]
             if segment.kind == "file":
                 continue
-            layout, size = {}, 0
-            for offset in sorted(ranges):
-                size = align_up(size, buffer_alignment(ranges[offset]))
-                layout[offset] = size
-                size += ranges[offset]
+            kept = sorted(ranges)
+            offsets, size = place_buffers(ranges[offset] for offset in kept)
+            layout = dict(zip(kept, offsets, strict=True))
             if align_up(size, mmap.PAGESIZE) >= segment.nbytes:
                 continue
             new = self._adopt_segment(_copy_ranges(segment.fd, ranges, layout, size))
             for entry in self.entries.values():
-                for row in entry.buffers:
-                    if row[0] == segment_id:
-                        row[0], row[1] = new.id, layout[row[1]]
+                entry.buffers = [
+                    row._replace(segment=new.id, offset=layout[row.offset]) if row.segment == segment_id else row
+                    for row in entry.buffers
+                ]
             for source, (moved_segment, moved_offset) in list(self._moved.items()):  # keep earlier moves current
                 if moved_segment == segment_id:
                     if moved_offset in layout:
@@ -404,6 +461,7 @@ class Store:
                         "hits": e.hits,
                         "refs": e.refs,
                         "timings": e.timings,
+                        "plugins": [name for name, _ in e.plugins],
                     }
                     for e in self.entries.values()
                 ],
@@ -443,11 +501,7 @@ class Store:
         body = json.dumps(
             {
                 "segments": list(saved.values()),
-                "entries": [
-                    {**asdict(e), "stream": e.stream.hex(), "args": e.args.hex()}
-                    for e in self.entries.values()
-                    if all(i in saved for i in e.segment_ids)
-                ],
+                "entries": [e.encode() for e in self.entries.values() if all(i in saved for i in e.segment_ids)],
             }
         )
         mac = hmac.new(self._key, body.encode(), hashlib.sha256).hexdigest()
@@ -491,8 +545,7 @@ class Store:
                     if restored is not None:
                         self.segments[restored.id] = restored
                 for row in index["entries"]:
-                    check_buffer_table(row["buffers"], "a persisted entry")
-                    entry = Entry(**{**row, "stream": bytes.fromhex(row["stream"]), "args": bytes.fromhex(row["args"])})
+                    entry = Entry.decode(row)
                     if all(segment in self.segments for segment in entry.segment_ids):
                         self.entries[entry.key] = entry
                         for segment_id in entry.segment_ids:
@@ -678,19 +731,26 @@ def _identity(info: os.stat_result) -> tuple[int, ...]:
 
 
 def _copy_ranges(fd: int, ranges: dict[int, int], layout: dict[int, int], size: int) -> int:
-    """A new sealed memfd of ``size`` bytes holding each range ``offset: nbytes`` of ``fd`` at ``layout[offset]``."""
+    """A new sealed memfd of ``size`` bytes holding each range ``offset: nbytes`` of ``fd`` at ``layout[offset]``
+    (zero bytes between them: the pieces of :func:`format.padded_pieces`, written in one pass)."""
     out = arena.create_memfd("zerocopy_pickle-cache-compacted")
     try:
-        os.ftruncate(out, size)
         if size:
-            with (
-                mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ) as source,
-                mmap.mmap(out, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as target,
-            ):
-                for offset, nbytes in ranges.items():
-                    target[layout[offset] : layout[offset] + nbytes] = source[offset : offset + nbytes]
+            with mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ) as source:
+                _write_ranges(out, source, ranges, layout, size)
         arena.seal(out)
     except BaseException:
         os.close(out)
         raise
     return out
+
+
+def _write_ranges(out: int, source: mmap.mmap, ranges: dict[int, int], layout: dict[int, int], size: int) -> None:
+    # Every view of `source` dies when this returns, before the caller closes the mapping.
+    with memoryview(source) as view:
+        kept = sorted(ranges, key=layout.__getitem__)
+        pieces = padded_pieces([view[o : o + ranges[o]] for o in kept], [layout[o] for o in kept], end=size)
+        written = arena.write_pieces(out, pieces)
+        del pieces
+    if written != size:
+        raise OSError(f"short write while compacting a segment: {written} of {size} bytes")

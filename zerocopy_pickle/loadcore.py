@@ -1,0 +1,159 @@
+"""Internal: the load core: the one place that turns a pickle stream and its out-of-band buffers into an object graph.
+
+Every consumer calls :func:`load_stream`: snapshot files, bytes and memfds (``snapshot.py``, after it decoded and
+checked the header) and model-cache entries (``cache/entries.py``, in clients and in the cache's loader). What it
+does, in this order, is the same for all of them:
+
+1. a restricted load analyses the stream (``semantics``; remembered by digest) and a trusted one checks its bounds
+   (``streamcheck``), unless the caller says the stream is its own (the model cache: see ``check_bounds``);
+2. the number of buffers the stream consumes must be the number the caller's table declares;
+3. every device the buffers' recorded locations map to must exist (``map_location``);
+4. the plugins the stream needs must be installed and loaded, and a *trusted* load runs their load hooks (a
+   restricted load runs none: a header an attacker wrote must not make this process import or patch anything);
+5. the C unpickler rebuilds the graph (restricted: admitted by the call's allow list first), with argument
+   references (:func:`argument`) resolved to the caller's objects in a trusted load;
+6. failures become the library's errors: a malformed stream a :class:`~zerocopy_pickle.errors.SnapshotError`; a
+   trusted stream's own code failing propagates as itself (the caller chose to run it).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from . import streamcheck
+from .device import MapLocation, check_targets
+from .errors import ArgumentError, SnapshotError, ZeroCopyPickleError
+from .pickler import ZeroCopyUnpickler
+from .registry import Registry, default_registry
+from .restricted import AllowSpec, stream_uses
+from .semantics import StreamUses
+
+__all__ = ["ARGUMENT", "argument", "load_stream"]
+
+
+def argument(index: int) -> Any:
+    """Stands for the ``index``-th argument object of a load in a stream (the model cache pickles the cached
+    objects a call was given, and a result that holds them, as such references).
+
+    Only :func:`load_stream` with ``arguments=`` resolves it, in a trusted load; calling it is a mistake.
+    """
+    raise ZeroCopyPickleError("an argument reference can only be resolved by a load given its arguments")
+
+
+ARGUMENT = (argument.__module__, argument.__qualname__)
+"""The global a stream names for an argument reference."""
+
+
+class _ArgumentUnpickler(ZeroCopyUnpickler):
+    """A trusted unpickler that resolves :func:`argument` to the caller's objects."""
+
+    def __init__(self, file: Any, arguments: Sequence[object], **kwargs: Any) -> None:
+        super().__init__(file, trusted=True, **kwargs)
+        self._arguments = arguments
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ARGUMENT:
+            return self._arguments.__getitem__
+        return super().find_class(module, name)
+
+
+Buffers = Sequence[Any]
+
+
+def load_stream(
+    stream: bytes,
+    buffers: Buffers | Callable[[], Buffers],
+    *,
+    trusted: bool,
+    plugins: Iterable[tuple[str, str]] = (),
+    allow: AllowSpec = (),
+    map_location: MapLocation = None,
+    locations: Iterable[str] | None = None,
+    declared: int | None = None,
+    arguments: Sequence[object] | None = None,
+    uses: StreamUses | None = None,
+    check_bounds: bool = True,
+    where: str = "the pickle stream",
+    table: str = "the header",
+    registry: Registry | None = None,
+) -> Any:
+    """Unpickle ``stream`` with its out-of-band ``buffers``: the checks, the plugins' preparation and the
+    unpickler every load goes through.
+
+    Args:
+        stream: the pickle stream (a private copy: what is checked is what is unpickled).
+        buffers: the buffers in the order the stream consumes them; or a function that returns them, called
+            only once every check passed (a snapshot verifies its buffers' checksums there), with ``declared``
+            their number.
+        trusted: full pickle (runs whatever the stream names); False: restricted to the safe set, the plugins'
+            safe globals and ``allow``.
+        plugins: ``(name, package)`` of every plugin the stream needs (a snapshot header's or a cache entry's).
+        allow: further globals a restricted load may resolve.
+        map_location: where storages go, as for ``torch.load``.
+        locations: the devices the buffers were recorded on, checked against ``map_location`` before anything is
+            built (None: not known, not checked).
+        declared: the number of buffers, when ``buffers`` is a function.
+        arguments: objects the stream's :func:`argument` references resolve to (trusted loads only).
+        uses: the stream's analysis, if the caller has it.
+        check_bounds: check a trusted stream's bounds and buffer count (``streamcheck``) before it runs. Only a
+            stream this user's own process wrote may skip it (the model cache: its entries come from the user's
+            server, which got them from the user's loader; checking would cost each fresh process tens of
+            milliseconds per large entry, and a trusted stream can run any code anyway).
+        where, table: how errors name the stream and what declared its buffers.
+        registry: whose plugins and safe globals (default: the process's).
+
+    Raises:
+        SnapshotError: the stream is malformed, consumes another number of buffers, or (restricted) does not
+            rebuild.
+        RestrictedLoadError: a restricted stream names globals the call does not allow.
+        DeviceError: a target device does not exist here.
+        PluginError: a plugin is missing, disabled or broken, or its load hook failed.
+        ArgumentError: ``arguments`` with a restricted load.
+    """
+    if arguments is not None and not trusted:
+        raise ArgumentError("argument references resolve only in a trusted load")
+    registry = registry if registry is not None else default_registry()
+    count = declared if callable(buffers) else len(buffers)
+    # A restricted load works out what the stream does (and checks its bounds) before anything runs; a trusted
+    # one checks the bounds only. Both are remembered by the stream's digest.
+    if uses is None and not trusted:
+        uses = stream_uses(stream)
+    consumed = uses.next_buffers if uses is not None else streamcheck.validated(stream) if check_bounds else None
+    if consumed is not None and consumed != count:
+        raise SnapshotError(f"{where} consumes {consumed} out-of-band buffer(s), {table} declares {count}")
+    if locations is not None:
+        check_targets(map_location, locations)
+    # Plugins' load hooks run only once trust is decided, and only for trusted loads.
+    plugins = list(plugins)
+    registry.prepare_load(plugins, trusted=trusted)
+    if callable(buffers):
+        buffers = buffers()
+    unpickler: ZeroCopyUnpickler
+    if arguments is not None:
+        unpickler = _ArgumentUnpickler(
+            io.BytesIO(stream), arguments, buffers=buffers, map_location=map_location, registry=registry
+        )
+    else:
+        unpickler = ZeroCopyUnpickler(
+            io.BytesIO(stream),
+            buffers=buffers,
+            map_location=map_location,
+            trusted=trusted,
+            allow=allow,
+            registry=registry,
+            plugins=[name for name, _ in plugins],
+            stream_uses=uses,
+        )
+    try:
+        return unpickler.load()
+    except ZeroCopyPickleError:
+        raise
+    except (pickle.UnpicklingError, EOFError) as e:
+        raise SnapshotError(f"{where} is corrupt: {e}") from e
+    except Exception as e:
+        if trusted:
+            raise  # the stream's own code failed: the caller chose to run it
+        raise SnapshotError(f"{where} does not rebuild: {type(e).__name__}: {e}") from e
