@@ -12,7 +12,9 @@ two ``ControlNetModel.from_unet`` (``zerocopy_pickle.demo.build_controlnet_pipel
 
 Each run is a fresh process, as a user's program is, timed from after its imports
 (``zerocopy_pickle.cache.scenario``): load the VAE, two ControlNets, then the pipeline with ``vae=vae`` (variant
-``vae``) or also ``controlnet=MultiControlNetModel([edge, depth])`` (variant ``wrapper``); then touch one byte of
+``vae``) or also ``controlnet=MultiControlNetModel([edge, depth])`` (variant ``wrapper``), or as ``vae`` followed by
+a transformers model with its own code, ``AutoModel.from_pretrained(..., trust_remote_code=True)`` (variant
+``remote``, ``zerocopy_pickle.demo.build_remote_code_model``: about 0.3 GB in float16); then touch one byte of
 every 4 KiB page of every weight once. The plain runs go first, so the model files are in the page cache for
 everybody. The cache runs of a variant share one fresh server, started and ready (zygote imported) before the
 first run: that first run is the miss, the others are hits.
@@ -33,12 +35,12 @@ from zerocopy_pickle.demo import build_controlnet_pipeline
 
 def _paths(root: Path) -> dict[str, str]:
     return {"pipeline": str(root / "pipeline"), "edge": str(root / "controlnet-edge"),
-            "depth": str(root / "controlnet-depth")}  # fmt: skip
+            "depth": str(root / "controlnet-depth"), "remote": str(root / "remote-model")}  # fmt: skip
 
 
 def _summary(results: dict[str, list[dict[str, float]]]) -> None:
     print("\n  against the targets (warm = median of the runs after the first cache run)")
-    for variant in ("vae", "wrapper"):
+    for variant in ("vae", "wrapper", "remote"):
         plain, cached = results.get(f"plain/{variant}"), results.get(f"cache/{variant}")
         if not plain or not cached:
             continue
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", help="build the models into this folder once and reuse them (default: a temp dir)")
     parser.add_argument("--runs", type=int, default=3, help="runs per variant and mode (default 3)")
-    parser.add_argument("--variants", default="vae,wrapper", help="comma-separated: vae, wrapper")
+    parser.add_argument("--variants", default="vae,wrapper,remote", help="comma-separated: vae, wrapper, remote")
     parser.add_argument("--size", choices=("sd15", "tiny"), default="sd15", help="the pipeline (tiny: a quick check)")
     parser.add_argument("--json", help="also write the raw per-run figures here")
     args = parser.parse_args(argv)
@@ -67,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="zcp-bench-cache-") as tmp:
         root = Path(args.models) if args.models else Path(tmp)
-        if not (root / "pipeline" / "model_index.json").exists() or not (root / "controlnet-depth").exists():
+        if (
+            not (root / "pipeline" / "model_index.json").exists()
+            or not (root / "remote-model" / "config.json").exists()
+        ):
             print(f"building the {args.size} pipeline and two ControlNets into {root} ...", flush=True)
             build_controlnet_pipeline(root, size=args.size)
         nbytes = sum(f.stat().st_size for f in root.rglob("*.safetensors"))

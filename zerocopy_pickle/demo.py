@@ -23,7 +23,7 @@ from torch import nn
 
 from .snapshot import dump, freeze, load
 
-__all__ = ["TinyGPT", "build_controlnet_pipeline", "build_model", "run"]
+__all__ = ["TinyGPT", "build_controlnet_pipeline", "build_model", "build_remote_code_model", "run"]
 
 
 class TinyGPT(nn.Module):
@@ -158,14 +158,15 @@ def build_controlnet_pipeline(
     """Build a StableDiffusionControlNetPipeline locally (random weights, no download) and save it.
 
     Args:
-        directory: where to write ``pipeline/`` (the whole pipeline, with one ControlNet) and
-            ``controlnet-edge/`` and ``controlnet-depth/`` (two more ControlNets).
+        directory: where to write ``pipeline/`` (the whole pipeline, with one ControlNet),
+            ``controlnet-edge/`` and ``controlnet-depth/`` (two more ControlNets) and ``remote-model/`` (a
+            transformers model with its own code, :func:`build_remote_code_model`).
         size: ``"tiny"`` (a few MiB, for tests and the demo) or ``"sd15"`` (diffusers' default UNet, two
             ControlNets made from it, a ViT-L text encoder and the default VAE, saved in float16: about 3.6 GB).
         seed: the random seed of the weights.
 
     Returns:
-        The paths: ``{"pipeline": ..., "edge": ..., "depth": ...}``.
+        The paths: ``{"pipeline": ..., "edge": ..., "depth": ..., "remote": ...}``.
     """
     from diffusers import (
         AutoencoderKL,
@@ -233,4 +234,103 @@ def build_controlnet_pipeline(
         depth.to(dtype).save_pretrained(paths["depth"])
     finally:
         diffusers_logging.set_verbosity(verbosity)
+    paths["remote"] = build_remote_code_model(root / "remote-model", size=size, seed=seed)
     return paths
+
+
+# The code of the remote-code model that build_remote_code_model writes: transformers imports it from the
+# repository folder (``trust_remote_code=True``) into its dynamic ``transformers_modules`` namespace.
+_REMOTE_CONFIGURATION = """from transformers import PretrainedConfig
+
+
+class ZcpRemoteConfig(PretrainedConfig):
+    model_type = "zcp-remote"
+
+    def __init__(self, vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, **kwargs):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_layers = num_layers
+        super().__init__(**kwargs)
+"""
+_REMOTE_MODELING = """import torch
+from transformers import PreTrainedModel
+
+from .configuration_zcp_remote import ZcpRemoteConfig
+
+
+class ZcpRemoteModel(PreTrainedModel):
+    config_class = ZcpRemoteConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.Linear(config.hidden_size, config.intermediate_size),
+                torch.nn.GELU(),
+                torch.nn.Linear(config.intermediate_size, config.hidden_size),
+            )
+            for _ in range(config.num_layers)
+        )
+        self.post_init()
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = hidden + layer(hidden)
+        return hidden
+"""
+
+
+def build_remote_code_model(directory: str | os.PathLike[str], *, size: str = "tiny", seed: int = 0) -> str:
+    """Write a transformers model repository with its own code (``configuration_zcp_remote.py``,
+    ``modeling_zcp_remote.py``, a ``config.json`` whose ``auto_map`` names them, random weights), loaded with
+    ``AutoModel.from_pretrained(path, trust_remote_code=True)``. No download: the code is written here.
+
+    Args:
+        directory: the repository folder to create.
+        size: ``"tiny"`` (a few KiB) or ``"sd15"`` (a text model of about 300 MB in float16, the size of a
+            pipeline's extra encoder).
+        seed: the random seed of the weights.
+
+    Returns:
+        The repository's path.
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    if size == "tiny":
+        config = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_layers": 2}
+        dtype = torch.float32
+    elif size == "sd15":
+        config = {"vocab_size": 49408, "hidden_size": 1024, "intermediate_size": 4096, "num_layers": 12}
+        dtype = torch.float16
+    else:
+        raise ValueError(f"size must be 'tiny' or 'sd15', not {size!r}")
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "configuration_zcp_remote.py").write_text(_REMOTE_CONFIGURATION)
+    (root / "modeling_zcp_remote.py").write_text(_REMOTE_MODELING)
+    auto_map = {
+        "AutoConfig": "configuration_zcp_remote.ZcpRemoteConfig",
+        "AutoModel": "modeling_zcp_remote.ZcpRemoteModel",
+    }
+    (root / "config.json").write_text(
+        json.dumps(
+            {"model_type": "zcp-remote", "auto_map": auto_map, "torch_dtype": str(dtype).split(".")[1], **config}
+        )
+    )
+    generator = torch.Generator().manual_seed(seed)
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+
+    def randn(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * 0.02).to(dtype)
+
+    weights = {"embed.weight": randn(config["vocab_size"], hidden)}
+    for i in range(config["num_layers"]):
+        weights |= {f"layers.{i}.0.weight": randn(inner, hidden), f"layers.{i}.0.bias": randn(inner),
+                    f"layers.{i}.2.weight": randn(hidden, inner), f"layers.{i}.2.bias": randn(hidden)}  # fmt: skip
+    save_file(weights, str(root / "model.safetensors"))
+    return str(root)

@@ -1,12 +1,14 @@
 """Internal: the seed scenario, timed: load a VAE, two ControlNets, then the pipeline with ``vae=vae`` (and, in the
-``wrapper`` variant, ``controlnet=MultiControlNetModel([edge, depth])``), plain and through the cache.
+``wrapper`` variant, ``controlnet=MultiControlNetModel([edge, depth])``; in the ``remote`` variant, then a
+transformers model with its own code, ``AutoModel.from_pretrained(..., trust_remote_code=True)``), plain and
+through the cache.
 
 ``zerocopy-pickle demo`` runs it on a tiny pipeline built here; ``benchmarks/cache.py`` on an SD1.5-sized one.
 Every run is a fresh process (as a user's program is), timed from after its imports; after the four loads it
 touches every page of every weight once, because a zero-copy load defers page faults to first use and a fair
 total includes them.
 
-    python -m zerocopy_pickle.cache.scenario plain|cache vae|wrapper PATHS_JSON DTYPE
+    python -m zerocopy_pickle.cache.scenario plain|cache vae|wrapper|remote PATHS_JSON DTYPE
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ from .client import Client
 from .messages import StatusReply, StatusRequest
 from .protocol import CacheError
 
-__all__ = ["STEPS", "measure", "print_table", "run_demo"]
+__all__ = ["REMOTE_STEP", "STEPS", "measure", "print_table", "run_demo"]
 
 STEPS = ("vae", "edge", "depth", "pipeline")
+REMOTE_STEP = "remote"  # the remote variant's fifth step: the model whose classes live in transformers_modules
+
+
+def _steps(run: dict[str, Any]) -> tuple[str, ...]:
+    return (*STEPS, REMOTE_STEP) if REMOTE_STEP in run else STEPS
 
 
 def _touch(modules: list[Any]) -> int:
@@ -77,9 +84,15 @@ def _run_steps(mode: str, variant: str, paths: dict[str, str], dtype_name: str) 
     start = time.perf_counter()
     pipe = StableDiffusionControlNetPipeline.from_pretrained(paths["pipeline"], **kwargs)
     times["pipeline"] = time.perf_counter() - start
-    times["load"] = sum(times[step] for step in STEPS)
-    start = time.perf_counter()
     modules = [vae, edge, depth, *(c for c in pipe.components.values() if isinstance(c, torch.nn.Module))]
+    if variant == "remote":
+        from transformers import AutoModel
+
+        start = time.perf_counter()
+        modules.append(AutoModel.from_pretrained(paths["remote"], trust_remote_code=True, dtype=dtype))
+        times[REMOTE_STEP] = time.perf_counter() - start
+    times["load"] = sum(times[step] for step in _steps(times))
+    start = time.perf_counter()
     _touch(modules)
     times["touch"] = time.perf_counter() - start
     times["total"] = times["load"] + times["touch"]
@@ -129,7 +142,11 @@ def _one_run(env: dict[str, str], mode: str, variant: str, paths: dict[str, str]
 
 
 def measure(
-    paths: dict[str, str], *, runs: int, variants: tuple[str, ...] = ("vae", "wrapper"), dtype: str = "float32"
+    paths: dict[str, str],
+    *,
+    runs: int,
+    variants: tuple[str, ...] = ("vae", "wrapper", "remote"),
+    dtype: str = "float32",
 ) -> dict[str, list[dict[str, Any]]]:
     """Run the scenario ``runs`` times plain and ``runs`` times through a fresh cache server, per variant.
 
@@ -146,17 +163,23 @@ def measure(
 
 def print_table(results: dict[str, list[dict[str, Any]]]) -> None:
     """Seconds per step, per run, like Overmind's table; then medians of the warm runs."""
-    columns = (*STEPS, "load", "touch", "total")
+    steps = STEPS if all(REMOTE_STEP not in run for runs in results.values() for run in runs) else (*STEPS, REMOTE_STEP)
+    columns = (*steps, "load", "touch", "total")
     print(f"  {'run':<24}" + "".join(f"{c:>10}" for c in columns))
     for name, runs in results.items():
         for i, run in enumerate(runs):
             label = f"{name}, {'1st' if i == 0 else f'{i + 1}th' if i > 2 else ('2nd', '3rd')[i - 1]}"
-            print(f"  {label:<24}" + "".join(f"{run[c]:10.3f}" for c in columns))
+            print(f"  {label:<24}" + "".join(f"{run[c]:10.3f}" if c in run else f"{'-':>10}" for c in columns))
     print("\n  warm medians (plain: every run; cache: every run after the first)")
     for name, runs in results.items():
         warm = runs if name.startswith("plain") else runs[1:]
         if warm:
-            print(f"  {name:<24}" + "".join(f"{statistics.median(r[c] for r in warm):10.3f}" for c in columns))
+            print(
+                f"  {name:<24}"
+                + "".join(
+                    f"{statistics.median(r[c] for r in warm):10.3f}" if c in warm[0] else f"{'-':>10}" for c in columns
+                )
+            )
 
 
 def run_demo(size: str = "tiny", runs: int = 3, directory: str | None = None) -> int:
@@ -171,7 +194,8 @@ def run_demo(size: str = "tiny", runs: int = 3, directory: str | None = None) ->
     print_table(results)
     print(
         "\n'vae': the pipeline is loaded with vae=vae; 'wrapper': also controlnet=MultiControlNetModel([edge, "
-        "depth]).\nThe first cache run of each variant is its miss; later runs are hits served from shared memory."
+        "depth]); 'remote': 'vae', then a transformers model with its own code (trust_remote_code=True)."
+        "\nThe first cache run of each variant is its miss; later runs are hits served from shared memory."
     )
     return 0
 
