@@ -431,17 +431,39 @@ def _open_path(path: PathLike, copy: bool) -> tuple[mmap.mmap, bool]:
         os.close(fd)
 
 
+_MAPPABLE_BUFFERED = (io.BufferedReader, io.BufferedRandom)
+
+
+def _mappable_fd(f: BinaryIO) -> int | None:
+    """The fd behind ``f`` when the bytes ``f`` returns are exactly that fd's bytes from ``f.tell()`` on: a plain
+    ``open(path, "rb")`` (or ``"r+b"``, or unbuffered) file object, of exactly the standard classes. Anything
+    else (``gzip``/``bz2``/``lzma`` files, whose ``fileno()`` is the compressed file's; ``BytesIO``; wrappers and
+    subclasses that may transform what they read) is read through its ``read``, never mapped."""
+    cls = type(f)
+    if cls in _MAPPABLE_BUFFERED:
+        if type(getattr(f, "raw", None)) is not io.FileIO:
+            return None
+    elif cls is not io.FileIO:
+        return None
+    try:
+        return f.fileno()
+    except (OSError, ValueError):
+        return None
+
+
 def _open_file(f: BinaryIO, copy: bool) -> tuple[mmap.mmap, bool]:
     """Map a snapshot at the current position of an open file, or read it when that is not possible; and
     whether its bytes can no longer change (as for :func:`_open_path`)."""
+    fd = _mappable_fd(f)
     try:
-        fd = f.fileno()
-        start = f.tell()
-        size = arena.regular_file_size(fd)
-    except (AttributeError, OSError, io.UnsupportedOperation):
+        size = None if fd is None else arena.regular_file_size(fd)
+        start = f.tell() if size is not None else 0
+    except (OSError, io.UnsupportedOperation):
         size = None
-    if copy or size is None or start % mmap.ALLOCATIONGRANULARITY:
-        return _read_copy(f, None if size is None else max(size - start, 0)), True
+    if size is None or fd is None:
+        return _read_copy(f, None), True
+    if copy or start % mmap.ALLOCATIONGRANULARITY:
+        return _read_copy(f, max(size - start, 0)), True
     fixed = os.pread(fd, format.FIXED_NBYTES, start)
     _, total, _ = format.decode_fixed(fixed, None)
     if start + total > size:
@@ -470,9 +492,11 @@ def load(
     the file and every other load of it are unchanged. The mapping lives as long as any storage in it.
 
     Args:
-        f: a path, or a binary file object positioned at the start of a snapshot. A regular file whose
-            position is page-aligned is mapped; anything else (a pipe, a socket, an unaligned position) is
-            read into private memory once.
+        f: a path, or a binary file object positioned at the start of a snapshot. A plain file object
+            (``open(path, "rb")``, exactly ``io.BufferedReader``, ``io.BufferedRandom`` or ``io.FileIO``) over a
+            regular file, at a page-aligned position, is mapped; anything else (a ``gzip``/``bz2``/``lzma``
+            file, ``io.BytesIO``, a pipe, a socket, a wrapper or subclass, an unaligned position) is read
+            through its ``read`` into private memory once.
         map_location: where storages go, as for ``torch.load`` (a device string, ``torch.device``, a dict
             from saved to new locations, or a callable ``f(storage, location)``). Storages placed on the CPU
             stay zero-copy.

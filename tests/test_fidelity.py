@@ -1,0 +1,130 @@
+"""Fidelity to ``torch.load`` and ``pickle``: what they accept or do, a snapshot accepts or does too."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import io
+import lzma
+import os
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+
+import zerocopy_pickle as zp
+
+# -- file objects that cannot be mapped ----------------------------------------------------------------------
+
+
+def _sample() -> dict[str, Any]:
+    return {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64), "n": 3}
+
+
+def _check(obj: dict[str, Any]) -> None:
+    assert torch.equal(obj["w"], torch.arange(4096, dtype=torch.float32).reshape(64, 64))
+    assert obj["n"] == 3
+
+
+@pytest.mark.parametrize("opener", [gzip.open, bz2.open, lzma.open], ids=["gzip", "bz2", "lzma"])
+def test_compressed_file_objects_are_read_not_mapped(tmp_path: pathlib.Path, opener: Any) -> None:
+    path = tmp_path / "snap.zcp.z"
+    with opener(path, "wb") as f:
+        zp.dump(_sample(), f)
+    with opener(path, "rb") as f:
+        assert f.fileno() >= 0  # the compressed file's fd: mapping it would read compressed bytes
+        _check(zp.load(f))
+    with opener(path, "rb") as f:  # header and scan read through the stream too
+        assert zp.read_header(f).buffers
+    # torch.load reads the same kind of object
+    buf = io.BytesIO()
+    torch.save(_sample(), buf)
+    with opener(tmp_path / "t.pt.z", "wb") as f:
+        f.write(buf.getvalue())
+    with opener(tmp_path / "t.pt.z", "rb") as f:
+        _check(torch.load(f))
+
+
+class _Xor(io.RawIOBase):
+    """A raw stream over a real file whose ``fileno()`` is that file's, but whose bytes are transformed: the fd
+    does not describe what ``read`` returns."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self._f = open(path, "rb")  # noqa: SIM115 - closed in close()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self._f.read(len(b))
+        b[: len(data)] = bytes(x ^ 0x5A for x in data)
+        return len(data)
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
+def test_file_objects_whose_fileno_lies_are_read(tmp_path: pathlib.Path) -> None:
+    blob = zp.dumps(_sample())
+    path = tmp_path / "xored"
+    path.write_bytes(bytes(x ^ 0x5A for x in blob))
+    with _Xor(path) as raw:
+        _check(zp.load(raw))
+    with io.BufferedReader(_Xor(path)) as buffered:  # exactly BufferedReader, but not over a FileIO
+        _check(zp.load(buffered))
+
+    class Subclass(io.BufferedReader):
+        def read(self, size: int | None = -1) -> bytes:
+            return super().read(size)
+
+    plain = tmp_path / "plain"
+    plain.write_bytes(blob)
+    with Subclass(io.FileIO(plain)) as sub:  # a subclass may transform what it reads: read, not mapped
+        _check(zp.load(sub))
+
+
+def test_bytesio_and_pipes_are_read(tmp_path: pathlib.Path) -> None:
+    blob = zp.dumps(_sample())
+    _check(zp.load(io.BytesIO(blob)))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child writes and exits
+        os.close(r)
+        with os.fdopen(w, "wb") as out:
+            out.write(blob)
+        os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as f:
+            _check(zp.load(f))
+    finally:
+        os.waitpid(pid, 0)
+
+
+def test_plain_files_are_still_mapped(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "snap.zcp"
+    zp.dump(_sample(), path)
+    for mode, buffering in (("rb", -1), ("rb", 0), ("r+b", -1)):
+        with open(path, mode, buffering=buffering) as f:
+            obj = zp.load(f)
+        _check(obj)
+        obj["w"][0, 0] = -1.0  # copy-on-write: the file is unchanged
+        # a mapping of the file: the storage lies inside a file-backed mapping of this process
+        address = obj["w"].untyped_storage().data_ptr()
+        maps = pathlib.Path("/proc/self/maps").read_text().splitlines()
+        backing = [line for line in maps if _contains(line, address)]
+        assert backing and backing[0].endswith(str(path)), backing
+    _check(zp.load(path))
+
+
+def _contains(line: str, address: int) -> bool:
+    start, stop = (int(x, 16) for x in line.split(maxsplit=1)[0].split("-"))
+    return start <= address < stop
