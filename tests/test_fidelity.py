@@ -128,3 +128,77 @@ def test_plain_files_are_still_mapped(tmp_path: pathlib.Path) -> None:
 def _contains(line: str, address: int) -> bool:
     start, stop = (int(x, 16) for x in line.split(maxsplit=1)[0].split("-"))
     return start <= address < stop
+
+
+# -- sparse tensors: validated and released as torch.load does -----------------------------------------------
+
+
+def _sparse_cases(valid: bool) -> list[torch.Tensor]:
+    bad = 0 if valid else 7  # an index past the size
+    coo = torch.sparse_coo_tensor(torch.tensor([[0, 2 + bad]]), torch.tensor([1.0, 2.0]), (3,), check_invariants=False)
+    csr = torch.sparse_csr_tensor(
+        torch.tensor([0, 1, 2]), torch.tensor([0, 1 + bad]), torch.tensor([1.0, 2.0]), (2, 2), check_invariants=False
+    )
+    csc = torch.sparse_csc_tensor(
+        torch.tensor([0, 1, 2]), torch.tensor([1, 0 + bad]), torch.tensor([1.0, 2.0]), (2, 2), check_invariants=False
+    )
+    return [coo, csr, csc]
+
+
+def test_trusted_sparse_loads_release_torchs_pending_list() -> None:
+    pending = torch._utils._sparse_tensors_to_validate
+    assert not pending
+    for sparse in _sparse_cases(valid=True):
+        blob = zp.dumps({"s": sparse})
+        for checking in (False, True):
+            with torch.sparse.check_sparse_tensor_invariants(enable=checking):
+                loaded = zp.loads(blob, trusted=True)["s"]
+            assert not pending, "a trusted load left its sparse tensors in torch._utils._sparse_tensors_to_validate"
+            assert torch.equal(loaded.to_dense(), sparse.to_dense())
+        restricted = zp.loads(blob)["s"]  # restricted: the checked rebuild, which adds nothing
+        assert not pending
+        assert torch.equal(restricted.to_dense(), sparse.to_dense())
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["coo", "csr", "csc"])
+def test_trusted_sparse_loads_validate_under_check_sparse_tensor_invariants(index: int) -> None:
+    pending = torch._utils._sparse_tensors_to_validate
+    blob = zp.dumps({"s": _sparse_cases(valid=False)[index]})
+    with torch.sparse.check_sparse_tensor_invariants(), pytest.raises(zp.SnapshotError, match="invariants"):
+        zp.loads(blob, trusted=True)
+    assert not pending  # released on failure too
+    # as torch.load: without the check, out-of-bounds indices load (the caller asked for no validation)
+    with torch.sparse.check_sparse_tensor_invariants(enable=False):
+        zp.loads(blob, trusted=True)
+    assert not pending
+    with pytest.raises(zp.SnapshotError):  # a restricted load always checks
+        zp.loads(blob)
+    assert not pending
+
+
+def test_a_failed_trusted_load_releases_its_sparse_tensors() -> None:
+    pending = torch._utils._sparse_tensors_to_validate
+    blob = zp.dumps([_sparse_cases(valid=True)[0], _Boom()])
+    with pytest.raises(ValueError, match="boom at load"):
+        zp.loads(blob, trusted=True)
+    assert not pending
+
+
+def _boom() -> None:
+    raise ValueError("boom at load")
+
+
+class _Boom:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _boom, ()
+
+
+def test_other_loads_pending_sparse_tensors_are_left_alone() -> None:
+    pending = torch._utils._sparse_tensors_to_validate
+    theirs = _sparse_cases(valid=True)[0]
+    pending.append(theirs)  # as a torch.load in flight in another thread would have it
+    try:
+        zp.loads(zp.dumps(_sparse_cases(valid=True)[0]), trusted=True)
+        assert len(pending) == 1 and pending[0] is theirs
+    finally:
+        pending.clear()

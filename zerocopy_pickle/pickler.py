@@ -26,7 +26,7 @@ import os
 import pickle
 import threading
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -430,14 +430,14 @@ class ZeroCopyUnpickler(pickle.Unpickler):
 
     def load(self) -> Any:
         if self.allow_list is None:
-            with _gc_paused():
+            with _sparse_tensors_checked(), _gc_paused():
                 return super().load()
         if self._resolved is None:
             assert self._stream is not None
             uses = self._uses if self._uses is not None else stream_uses(self._stream)
             self._resolved = self.allow_list.admit(uses)
         try:
-            with _gc_paused(), validate.budget(self._budget):
+            with _sparse_tensors_checked(), _gc_paused(), validate.budget(self._budget):
                 return super().load()
         except ZeroCopyPickleError:
             raise
@@ -467,6 +467,67 @@ class ZeroCopyUnpickler(pickle.Unpickler):
                 f"the stream needs {module}:{name}, which cannot be imported here ({e}); install the package "
                 f"that defines it"
             ) from e
+
+
+# Note [Sparse tensors in loads]: torch's _rebuild_sparse_tensor builds a sparse tensor unchecked and appends it to
+# torch._utils._sparse_tensors_to_validate; torch.load validates that list (when sparse invariant checks are on,
+# torch.sparse.check_sparse_tensor_invariants) and clears it before it returns. A load here does the same for the
+# tensors it added, and releases them whether it succeeds or fails, so none stays referenced by torch for good.
+# (Restricted loads rebuild sparse tensors with safeglobals.safe_rebuild_sparse_tensor, which checks at once and
+# adds nothing; a trusted load runs torch's own.) Entries of other loads running at the same time are left alone.
+@contextlib.contextmanager
+def _sparse_tensors_checked() -> Iterator[None]:
+    pending: list[torch.Tensor] = torch._utils._sparse_tensors_to_validate
+    before = {id(t) for t in pending} if pending else set()
+    try:
+        yield
+    except BaseException:
+        _take_new(pending, before)
+        raise
+    added = _take_new(pending, before)
+    if added and torch.sparse.check_sparse_tensor_invariants.is_enabled():
+        for tensor in added:
+            _validate_sparse(tensor)
+
+
+def _take_new(pending: list[torch.Tensor], before: set[int]) -> list[torch.Tensor]:
+    """Remove from ``pending`` (by identity: ``==`` on tensors compares elements) what is not in ``before``."""
+    if not pending:
+        return []
+    added = [t for t in pending if id(t) not in before]
+    if added:
+        pending[:] = [t for t in pending if id(t) in before]
+    return added
+
+
+def _validate_sparse(tensor: torch.Tensor) -> None:
+    """torch._utils._validate_loaded_sparse_tensors for one tensor, raising a SnapshotError."""
+    layout = tensor.layout
+    try:
+        if layout is torch.sparse_coo:
+            torch._validate_sparse_coo_tensor_args(
+                tensor._indices(), tensor._values(), tensor.size(), tensor.is_coalesced(), check_pinning=False
+            )
+        elif layout in (torch.sparse_csr, torch.sparse_bsr):
+            torch._validate_sparse_compressed_tensor_args(
+                tensor.crow_indices(),
+                tensor.col_indices(),
+                tensor.values(),
+                tensor.size(),
+                layout,
+                check_pinning=False,
+            )
+        elif layout in (torch.sparse_csc, torch.sparse_bsc):
+            torch._validate_sparse_compressed_tensor_args(
+                tensor.ccol_indices(),
+                tensor.row_indices(),
+                tensor.values(),
+                tensor.size(),
+                layout,
+                check_pinning=False,
+            )
+    except (RuntimeError, ValueError, IndexError) as e:
+        raise SnapshotError(f"a {layout} sparse tensor in the snapshot violates its invariants: {e}") from e
 
 
 # Note [GC during loads]: unpickling a model creates thousands of container objects (modules, their dicts,
