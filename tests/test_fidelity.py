@@ -202,3 +202,21 @@ def test_other_loads_pending_sparse_tensors_are_left_alone() -> None:
         assert len(pending) == 1 and pending[0] is theirs
     finally:
         pending.clear()
+
+
+# -- ZeroTensors: refused, as torch.save refuses them ----------------------------------------------------------
+
+
+def test_zero_tensors_are_refused_with_a_dump_error_naming_them() -> None:
+    zero = torch._efficientzerotensor((3, 4))
+    with pytest.raises(RuntimeError, match="ZeroTensor"):  # torch.save refuses it too
+        torch.save(zero, io.BytesIO())
+    for backend in ("auto", "pickle", "cloudpickle", "dill"):
+        with pytest.raises(zp.DumpError, match="ZeroTensor") as info:
+            zp.dumps({"a": [zero]}, backend=backend)
+        assert info.value.path == "obj['a'][0]"
+    param = torch.nn.Parameter(torch._efficientzerotensor((2,)), requires_grad=False)
+    with pytest.raises(zp.DumpError, match="ZeroTensor"):
+        zp.dumps(param)
+    # its materialized value pickles
+    assert torch.equal(zp.loads(zp.dumps(torch.zeros_like(zero))), torch.zeros(3, 4))

@@ -34,7 +34,7 @@ import torch
 
 from . import rebuild, validate
 from .device import MapLocation, static_target
-from .errors import ArgumentError, RestrictedLoadError, SnapshotError, ZeroCopyPickleError
+from .errors import ArgumentError, RestrictedLoadError, SnapshotError, Unpicklable, ZeroCopyPickleError
 from .format import BufferSpec, PluginRef
 from .registry import Registry, default_registry
 from .restricted import AllowList, AllowSpec, stream_uses
@@ -124,6 +124,13 @@ def _reduce_tensor(state: _DumpState, tensor: torch.Tensor) -> tuple[Any, ...]:
     # to write and to load than Tensor.__reduce_ex__'s TypedStorage wrapper, and it records the dtype for
     # the header. Everything else (quantized, sparse, nested, meta, conj/neg views, tensors carrying Python
     # state or hooks) takes torch's own path, whose storages reach the storage reducers below.
+    if tensor._is_zerotensor():
+        # A ZeroTensor's "storage" is whatever memory it was made over, not its (all-zero) value: torch.save
+        # refuses it too.
+        raise Unpicklable(
+            f"cannot pickle a ZeroTensor (torch._efficientzerotensor, shape {tuple(tensor.shape)}, {tensor.dtype}): "
+            f"it holds no data of its own; save torch.zeros_like(tensor) instead, as torch.save would require"
+        )
     if (
         tensor.layout is not torch.strided
         or tensor.is_quantized
