@@ -8,6 +8,7 @@ import io
 import lzma
 import os
 import pathlib
+import sys
 from typing import Any
 
 import pytest
@@ -220,3 +221,110 @@ def test_zero_tensors_are_refused_with_a_dump_error_naming_them() -> None:
         zp.dumps(param)
     # its materialized value pickles
     assert torch.equal(zp.loads(zp.dumps(torch.zeros_like(zero))), torch.zeros(3, 4))
+
+
+# -- exceptions from the graph's own code reach the caller as themselves -----------------------------------------
+
+
+class _ReduceRaises:
+    def __reduce__(self) -> tuple[Any, ...]:
+        raise ValueError("reduce says no")
+
+
+class _ReduceExRaises:
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        raise KeyError("reduce_ex says no")
+
+
+class _GetstateRaises:
+    def __getstate__(self) -> Any:
+        raise TypeError("getstate says no")  # a TypeError of the user's, not pickle's "cannot pickle"
+
+
+class _AttributeRaises:
+    def __getstate__(self) -> Any:
+        return self.missing  # AttributeError from user code
+
+
+class _ViaRegisteredReducer:
+    pass
+
+
+def _reducer_raises(obj: _ViaRegisteredReducer) -> Any:
+    raise RuntimeError("registered reducer says no")
+
+
+BACKENDS = ["auto", "pickle", "cloudpickle", "dill"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("make", "kind", "match"),
+    [
+        (_ReduceRaises, ValueError, "reduce says no"),
+        (_ReduceExRaises, KeyError, "reduce_ex says no"),
+        (_GetstateRaises, TypeError, "getstate says no"),
+        (_AttributeRaises, AttributeError, "missing"),
+    ],
+    ids=["reduce-ValueError", "reduce_ex-KeyError", "getstate-TypeError", "getstate-AttributeError"],
+)
+def test_exceptions_from_reducers_propagate_as_themselves(backend: str, make: Any, kind: Any, match: str) -> None:
+    graph = {"model": [torch.ones(2), make()]}
+    with pytest.raises(kind, match=match) as expected:
+        __import__("pickle").dumps(graph, protocol=5)
+    with pytest.raises(kind, match=match) as info:
+        zp.dumps(graph, backend=backend)
+    assert not isinstance(info.value, zp.DumpError)
+    assert type(info.value) is type(expected.value)
+    notes = getattr(info.value, "__notes__", None)
+    if hasattr(info.value, "add_note"):  # Python 3.11+: the note says where in the graph
+        assert notes and any("obj['model'][1]" in note for note in notes), notes
+
+
+def test_exceptions_from_a_registered_reducer_propagate(tmp_path: pathlib.Path) -> None:
+    zp.register_reducer(_ViaRegisteredReducer, _reducer_raises)
+    try:
+        path = tmp_path / "snap.zcp"
+        zp.dump({"a": torch.ones(2)}, path)
+        before = path.read_bytes()
+        for backend in BACKENDS:
+            with pytest.raises(RuntimeError, match="registered reducer says no") as info:
+                zp.dump({"x": _ViaRegisteredReducer()}, path, backend=backend)
+            assert not isinstance(info.value, zp.DumpError)
+        assert path.read_bytes() == before  # a failed dump leaves the previous snapshot intact
+    finally:
+        zp.unregister_reducer(_ViaRegisteredReducer)
+
+
+def test_what_pickle_itself_refuses_stays_a_dump_error() -> None:
+    cases: list[tuple[object, str]] = [
+        (lambda: 0, "pickle"),  # PicklingError from the C pickler
+        (io.BytesIO(b"x").getbuffer(), "pickle"),  # TypeError: cannot pickle 'memoryview' object
+        (_parametrized(), "auto"),  # torch's own __getstate__ refuses (RuntimeError)
+        (_local_instance(), "pickle"),  # AttributeError "Can't pickle local object", raised by the C pickler
+        (sys._getframe(), "pickle"),  # TypeError "cannot pickle 'frame' object"
+    ]
+    for obj, backend in cases:
+        with pytest.raises(zp.DumpError) as info:
+            zp.dumps({"k": obj}, backend=backend)
+        assert info.value.path == "obj['k']", (obj, str(info.value))
+
+
+class _Symmetric(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.triu() + x.triu(1).T
+
+
+def _parametrized() -> torch.nn.Module:
+    from torch.nn.utils import parametrize
+
+    module = torch.nn.Linear(3, 3)
+    parametrize.register_parametrization(module, "weight", _Symmetric())
+    return module
+
+
+def _local_instance() -> object:
+    class Local:
+        pass
+
+    return Local()

@@ -21,6 +21,7 @@ import os
 import pickle
 import platform
 import stat
+import sys
 from collections.abc import Callable
 from typing import IO, Any, BinaryIO, Union
 
@@ -59,6 +60,40 @@ _PICKLE_ERRORS = (
 # RuntimeError: torch's reducers refuse some objects that way; RecursionError: graphs nested too deeply.
 
 
+def _refused_by_pickle(error: BaseException) -> bool:
+    """Whether ``error`` is pickle (or a backend, or torch's own reducers) refusing an object, rather than code of
+    the object graph failing: a ``__reduce__``, ``__reduce_ex__``, ``__getstate__`` or a registered reducer that
+    raised. Only the first becomes a :class:`DumpError`; the second reaches the caller as itself, as it does
+    from ``pickle.dumps`` (``except ValueError`` keeps matching).
+
+    Told apart by where it was raised: pickle's refusals (``PicklingError``, ``cannot pickle 'X' object``,
+    ``Can't pickle local object``) are raised in C or in the standard library, the backends or torch; an error
+    whose traceback passes through any other module's code came from the graph's code.
+    """
+    if isinstance(error, (pickle.PicklingError, RecursionError)):
+        return True
+    if not isinstance(error, _PICKLE_ERRORS):
+        return False
+    if isinstance(error, TypeError) and str(error).startswith("cannot pickle"):  # object.__reduce_ex__'s refusal
+        return True
+    tb = error.__traceback__
+    while tb is not None:
+        if not _is_machinery(tb.tb_frame.f_globals.get("__name__")):
+            return False
+        tb = tb.tb_next
+    return True
+
+
+_MACHINERY = frozenset({"cloudpickle", "dill", "torch", "zerocopy_pickle"})
+
+
+def _is_machinery(module: object) -> bool:
+    if not isinstance(module, str):
+        return False
+    top = module.partition(".")[0]
+    return top in _MACHINERY or top in sys.stdlib_module_names
+
+
 def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
@@ -95,7 +130,10 @@ class _Prepared:
                 pickler.dump(obj)
             except Unpicklable as e:  # a reducer refused for good: no other backend is worth a try
                 raise _dump_error(obj, attempt, e) from e
-            except _PICKLE_ERRORS as e:
+            except Exception as e:
+                if not _refused_by_pickle(e):  # the graph's own code failed: the caller gets its exception
+                    _note_path(obj, attempt, e)
+                    raise
                 first_error = first_error or e
                 continue
             finally:
@@ -134,6 +172,35 @@ class _Prepared:
         self.pieces = pieces
 
 
+def _note_path(obj: object, backend: str, error: BaseException) -> None:
+    """Add where in the graph ``error`` was raised to its notes (Python 3.11+), when it can be found."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is None:
+        return
+
+    def try_dump(candidate: object) -> BaseException | None:
+        try:
+            _make_pickler(backend, io.BytesIO(), lambda buffer: False).dump(candidate)
+        except Exception as e:
+            return e
+        return None
+
+    try:
+        failure = locate_failure(obj, try_dump, reduce=_reduce_as_pickler)
+    except Exception:  # the search itself failed: the error stands without a path
+        return
+    if failure is not None:
+        what = getattr(failure.obj, "__qualname__", None) or type(failure.obj).__qualname__
+        add_note(f"(raised by zerocopy_pickle.dump while pickling {what} at {failure.path})")
+
+
+def _reduce_as_pickler(candidate: Any) -> Any:
+    """Reduce ``candidate`` as the pickler would: a registered reducer first."""
+    reducer = default_registry().lookup(type(candidate))
+    reduced = reducer.reduce(candidate) if reducer is not None else NotImplemented
+    return candidate.__reduce_ex__(5) if reduced is NotImplemented else reduced
+
+
 def _dump_error(obj: object, backend: str, error: BaseException) -> DumpError:
     """A DumpError that names the object that cannot be pickled, its path in the graph, and what to do."""
     if isinstance(error, RecursionError):
@@ -150,12 +217,7 @@ def _dump_error(obj: object, backend: str, error: BaseException) -> DumpError:
             return e
         return None
 
-    def reduce(candidate: Any) -> Any:  # as the pickler would: a registered reducer first
-        reducer = default_registry().lookup(type(candidate))
-        reduced = reducer.reduce(candidate) if reducer is not None else NotImplemented
-        return candidate.__reduce_ex__(5) if reduced is NotImplemented else reduced
-
-    failure = locate_failure(obj, try_dump, reduce=reduce)
+    failure = locate_failure(obj, try_dump, reduce=_reduce_as_pickler)
     if failure is None:  # pickles piecewise but not as a whole: report the whole
         return DumpError(f"cannot pickle {type(obj).__name__} (backend {backend!r}): {error}", path="obj")
     culprit = failure.obj
