@@ -328,3 +328,36 @@ def _local_instance() -> object:
         pass
 
     return Local()
+
+
+# -- a global that cannot be imported: an ImportError that is also a library error -------------------------------
+
+
+@pytest.mark.parametrize("missing", ["module", "attribute"])
+def test_an_unimportable_global_is_an_import_error_kind(missing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    module = types.ModuleType("zcp_fidelity_vanishing")
+
+    class Vanishing:
+        pass
+
+    Vanishing.__module__, Vanishing.__qualname__ = module.__name__, "Vanishing"
+    module.Vanishing = Vanishing  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    blob = zp.dumps([Vanishing()], backend="pickle")
+    if missing == "module":
+        del sys.modules[module.__name__]
+    else:
+        del module.Vanishing  # type: ignore[attr-defined]
+    with pytest.raises(ImportError) as info:  # pickle.loads raises an ImportError kind too (or AttributeError)
+        zp.loads(blob, trusted=True)
+    error = info.value
+    assert isinstance(error, zp.MissingGlobalError)
+    assert isinstance(error, zp.SnapshotError) and isinstance(error, zp.ZeroCopyPickleError)
+    assert (error.module, error.qualname, error.name) == (module.__name__, "Vanishing", module.__name__)
+    assert isinstance(error.__cause__, ModuleNotFoundError if missing == "module" else AttributeError)
+    assert f"{module.__name__}:Vanishing" in str(error)
+    # a restricted load that allows it by name fails the same way
+    with pytest.raises(zp.MissingGlobalError):
+        zp.loads(blob, allow=[f"{module.__name__}:Vanishing"])

@@ -15,6 +15,7 @@ __all__ = [
     "DeviceError",
     "DumpError",
     "IntegrityError",
+    "MissingGlobalError",
     "PluginError",
     "RestrictedLoadError",
     "SnapshotError",
@@ -33,6 +34,24 @@ class SnapshotError(ZeroCopyPickleError, ValueError):
 
     The message names the field or range that is wrong and where it is.
     """
+
+
+class MissingGlobalError(SnapshotError, ImportError):
+    """A global the stream names cannot be imported here: its module is missing, or has no such attribute.
+
+    Also an ``ImportError``, as ``pickle.loads`` raises (``ModuleNotFoundError`` or ``AttributeError`` there), so
+    ``except ImportError`` matches; the original error is its ``__cause__``.
+
+    Attributes:
+        module: the module the stream names (also ``name``, as for every ``ImportError``).
+        qualname: the qualified name in it.
+    """
+
+    def __init__(self, message: str, *, module: str, qualname: str) -> None:
+        super().__init__(message)
+        self.name = module
+        self.module = module
+        self.qualname = qualname
 
 
 class UnsafeArgumentError(SnapshotError):

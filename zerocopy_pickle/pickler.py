@@ -34,7 +34,14 @@ import torch
 
 from . import rebuild, validate
 from .device import MapLocation, static_target
-from .errors import ArgumentError, RestrictedLoadError, SnapshotError, Unpicklable, ZeroCopyPickleError
+from .errors import (
+    ArgumentError,
+    MissingGlobalError,
+    RestrictedLoadError,
+    SnapshotError,
+    Unpicklable,
+    ZeroCopyPickleError,
+)
 from .format import BufferSpec, PluginRef
 from .registry import Registry, default_registry
 from .restricted import AllowList, AllowSpec, stream_uses
@@ -470,9 +477,11 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         try:
             return super().find_class(module, name)
         except (ImportError, AttributeError) as e:
-            raise SnapshotError(
+            raise MissingGlobalError(
                 f"the stream needs {module}:{name}, which cannot be imported here ({e}); install the package "
-                f"that defines it"
+                f"that defines it",
+                module=module,
+                qualname=name,
             ) from e
 
 
