@@ -361,3 +361,95 @@ def test_an_unimportable_global_is_an_import_error_kind(missing: str, monkeypatc
     # a restricted load that allows it by name fails the same way
     with pytest.raises(zp.MissingGlobalError):
         zp.loads(blob, allow=[f"{module.__name__}:Vanishing"])
+
+
+# -- restricted loads accept what torch.load(weights_only=True) accepts ------------------------------------------
+
+
+class WrapperTensor(torch.Tensor):
+    """A wrapper tensor subclass (no storage of its own; the data is an attribute), as torch's tests write them."""
+
+    elem: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> WrapperTensor:
+        wrapper = torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device)
+        wrapper.elem = elem
+        return wrapper  # type: ignore[no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_map
+
+        def unwrap(e: Any) -> Any:
+            return e.elem if isinstance(e, WrapperTensor) else e
+
+        def wrap(e: Any) -> Any:
+            return WrapperTensor(e) if isinstance(e, torch.Tensor) else e
+
+        return tree_map(wrap, func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {})))
+
+
+def test_wrapper_subclasses_load_restricted_when_allowed() -> None:
+    wrapper = WrapperTensor(torch.arange(6.0).reshape(2, 3))
+    assert wrapper.data_ptr() == 0  # what makes torch pickle it with _rebuild_wrapper_subclass
+    # torch.load(weights_only=True) accepts it once the class is allowed
+    saved = io.BytesIO()
+    torch.save({"w": wrapper}, saved)
+    saved.seek(0)
+    with torch.serialization.safe_globals([WrapperTensor]):
+        assert torch.equal(torch.load(saved, weights_only=True)["w"].elem, wrapper.elem)
+    blob = zp.dumps({"w": wrapper})
+    assert ("torch._utils", "_rebuild_wrapper_subclass") in zp.scan(blob)
+    with pytest.raises(zp.RestrictedLoadError):  # not allowed: refused, as torch refuses it
+        zp.loads(blob)
+    loaded = zp.loads(blob, allow=[WrapperTensor])["w"]
+    assert type(loaded) is WrapperTensor
+    assert loaded.shape == (2, 3) and loaded.dtype == torch.float32
+    assert torch.equal(loaded.elem, wrapper.elem)
+    assert torch.equal((loaded + 1).elem, wrapper.elem + 1)  # its __torch_dispatch__ works
+
+
+def test_wrapper_subclass_rebuild_refuses_what_is_not_a_wrapper_class() -> None:
+    from zerocopy_pickle.safeglobals import safe_rebuild_wrapper_subclass
+
+    args = (torch.float32, (2,), (1,), 0, torch.strided, torch.device("cpu"), False)
+    assert type(safe_rebuild_wrapper_subclass(WrapperTensor, *args)) is WrapperTensor
+    for cls in (torch.Tensor, torch.nn.Parameter, _PlainSubclass, int, "tests.test_fidelity:WrapperTensor"):
+        with pytest.raises(zp.UnsafeArgumentError):
+            safe_rebuild_wrapper_subclass(cls, *args)
+    with pytest.raises(zp.UnsafeArgumentError):
+        safe_rebuild_wrapper_subclass(WrapperTensor, torch.float32, (2,), (1,), 0, torch.sparse_coo, args[5], False)
+
+
+class _PlainSubclass(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("name", ["contiguous_format", "channels_last", "channels_last_3d", "preserve_format"])
+def test_memory_formats_load_restricted(name: str) -> None:
+    import pickle
+
+    fmt = getattr(torch, name)
+    blob = zp.dumps({"fmt": fmt, "t": torch.ones(1, 2, 2, 2)})
+    assert ("zerocopy_pickle.rebuild", "rebuild_memory_format") in zp.scan(blob)
+    assert zp.loads(blob)["fmt"] is fmt
+    assert zp.loads(blob, trusted=True)["fmt"] is fmt
+    # what plain pickle writes in a process that imported torch first (torch.save's files): torch._utils
+    stream = b"\x80\x05\x8c\x0ctorch._utils\x94\x8c" + bytes([len(name) + 6])
+    stream += f"torch.{name}".encode() + b"\x94\x93\x94."
+    assert pickle.loads(stream) is fmt
+    from .hostile_streams import as_snapshot
+
+    assert zp.loads(as_snapshot(stream)) is fmt
+
+
+def test_memory_format_rebuild_refuses_other_names() -> None:
+    from zerocopy_pickle.rebuild import rebuild_memory_format
+    from zerocopy_pickle.safeglobals import safe_rebuild_memory_format
+
+    for rebuild in (rebuild_memory_format, safe_rebuild_memory_format):
+        assert rebuild("channels_last") is torch.channels_last
+        for name in ("strided", "torch.channels_last", "__class__", b"channels_last", None, 7):
+            with pytest.raises(zp.UnsafeArgumentError):
+                rebuild(name)

@@ -181,6 +181,12 @@ def _wrap_v3_storage(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return func, args
 
 
+def _reduce_memory_format(fmt: torch.memory_format) -> tuple[Any, ...]:
+    # pickle would write a global in whichever module of sys.modules first reaches torch (torch._utils, or the
+    # caller's own module): a name no safe table can list. One fixed rebuild function instead.
+    return rebuild.rebuild_memory_format, (str(fmt).removeprefix("torch."),)
+
+
 def _on_buffer(state: _DumpState, callback: Callable[[pickle.PickleBuffer], Any], buffer: pickle.PickleBuffer) -> Any:
     entry = state.pending.pop(id(buffer), None)
     if entry is not None:
@@ -239,6 +245,7 @@ class _Reductions:
         table[torch.Tensor] = functools.partial(_reduce_tensor, self._state)
         table[torch.UntypedStorage] = functools.partial(_reduce_untyped_storage, self._state)
         table.update(dict.fromkeys(_storage_types(), reduce_typed))
+        table[torch.memory_format] = _reduce_memory_format
         self.dispatch_table = table
         return None if buffer_callback is None else functools.partial(_on_buffer, self._state, buffer_callback)
 
