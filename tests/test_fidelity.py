@@ -453,3 +453,38 @@ def test_memory_format_rebuild_refuses_other_names() -> None:
         for name in ("strided", "torch.channels_last", "__class__", b"channels_last", None, 7):
             with pytest.raises(zp.UnsafeArgumentError):
                 rebuild(name)
+
+
+# -- a Snapshot alive at interpreter exit closes quietly --------------------------------------------------------
+
+
+def test_snapshots_alive_at_interpreter_exit_close_quietly(tmp_path: pathlib.Path) -> None:
+    from .conftest import run_python
+
+    path = tmp_path / "kept.zcp"
+    zp.dump({"w": torch.ones(3)}, path)
+    proc = run_python(
+        """
+        import os, sys
+        import torch
+        import zerocopy_pickle as zp
+
+        frozen = zp.freeze({"w": torch.arange(4.0)})
+        loaded = frozen.load()
+        opened = zp.Snapshot.open(sys.argv[1])
+        adopted = zp.Snapshot.from_fd(frozen.fd)
+
+        class Holder:
+            pass
+
+        holder = Holder()
+        holder.snap = zp.freeze([torch.zeros(2)])
+        holder.me = holder  # a cycle: collected late in the shutdown
+        torch.kept = opened  # reachable from another module's globals
+        print("ok")
+        """,
+        str(path),
+    )
+    assert proc.stdout.strip() == "ok"
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr == "", proc.stderr

@@ -910,9 +910,13 @@ class Snapshot:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        if getattr(self, "_fd", -1) >= 0:
-            self.close()
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:
+        # At interpreter exit this may run after the module's globals were cleared (os is None by then): use only
+        # what the function itself holds.
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0:
+            self._fd = -1
+            _close(fd)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"fd={self._fd}"
