@@ -296,11 +296,26 @@ def test_exceptions_from_a_registered_reducer_propagate(tmp_path: pathlib.Path) 
         zp.unregister_reducer(_ViaRegisteredReducer)
 
 
+def test_library_reducers_raising_propagate_as_pickle_lets_them() -> None:
+    """The standard library's and torch's own ``__getstate__``/``__reduce__`` are an object's code too: pickle lets
+    what they raise propagate (cloudpickle's suite checks a multiprocessing lock's RuntimeError)."""
+    import multiprocessing
+    import pickle
+
+    for obj in (multiprocessing.Lock(), _parametrized()):
+        with pytest.raises(RuntimeError) as expected:
+            pickle.dumps(obj, protocol=5)
+        for backend in BACKENDS:
+            with pytest.raises(RuntimeError) as info:
+                zp.dumps({"k": obj}, backend=backend)
+            assert not isinstance(info.value, zp.DumpError)
+            assert str(info.value) == str(expected.value)
+
+
 def test_what_pickle_itself_refuses_stays_a_dump_error() -> None:
     cases: list[tuple[object, str]] = [
         (lambda: 0, "pickle"),  # PicklingError from the C pickler
         (io.BytesIO(b"x").getbuffer(), "pickle"),  # TypeError: cannot pickle 'memoryview' object
-        (_parametrized(), "auto"),  # torch's own __getstate__ refuses (RuntimeError)
         (_local_instance(), "pickle"),  # AttributeError "Can't pickle local object", raised by the C pickler
         (sys._getframe(), "pickle"),  # TypeError "cannot pickle 'frame' object"
     ]
@@ -308,6 +323,9 @@ def test_what_pickle_itself_refuses_stays_a_dump_error() -> None:
         with pytest.raises(zp.DumpError) as info:
             zp.dumps({"k": obj}, backend=backend)
         assert info.value.path == "obj['k']", (obj, str(info.value))
+    # a RecursionError is pickle's refusal too (cloudpickle raises a PicklingError that says "deep recursion")
+    with pytest.raises(zp.DumpError, match="deep recursion"):
+        zp.dumps(_deep())
 
 
 class _Symmetric(torch.nn.Module):
@@ -488,3 +506,12 @@ def test_snapshots_alive_at_interpreter_exit_close_quietly(tmp_path: pathlib.Pat
     assert proc.stdout.strip() == "ok"
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr == "", proc.stderr
+
+
+def _deep() -> list[Any]:
+    root: list[Any] = []
+    node = root
+    for _ in range(100_000):
+        node.append([])
+        node = node[0]
+    return root

@@ -21,7 +21,6 @@ import os
 import pickle
 import platform
 import stat
-import sys
 from collections.abc import Callable
 from typing import IO, Any, BinaryIO, Union
 
@@ -57,7 +56,7 @@ _PICKLE_ERRORS = (
     RuntimeError,
     RecursionError,
 )
-# RuntimeError: torch's reducers refuse some objects that way; RecursionError: graphs nested too deeply.
+# RuntimeError: torch's C reducers refuse some objects that way; RecursionError: graphs nested too deeply.
 
 
 def _refused_by_pickle(error: BaseException) -> bool:
@@ -67,8 +66,10 @@ def _refused_by_pickle(error: BaseException) -> bool:
     from ``pickle.dumps`` (``except ValueError`` keeps matching).
 
     Told apart by where it was raised: pickle's refusals (``PicklingError``, ``cannot pickle 'X' object``,
-    ``Can't pickle local object``) are raised in C or in the standard library, the backends or torch; an error
-    whose traceback passes through any other module's code came from the graph's code.
+    ``Can't pickle local object``) are raised in C (the pickler, or a builtin type's ``__reduce_ex__``) or by
+    pickle, copyreg, the backends or this library; an error whose traceback passes through any other module's code
+    (the object's own ``__getstate__``, a registered reducer, the standard library's and torch's reducers alike)
+    came from the graph's code, and pickle would let it propagate.
     """
     if isinstance(error, (pickle.PicklingError, RecursionError)):
         return True
@@ -84,14 +85,11 @@ def _refused_by_pickle(error: BaseException) -> bool:
     return True
 
 
-_MACHINERY = frozenset({"cloudpickle", "dill", "torch", "zerocopy_pickle"})
+_MACHINERY = frozenset({"pickle", "_pickle", "copyreg", "_compat_pickle", "cloudpickle", "dill", "zerocopy_pickle"})
 
 
 def _is_machinery(module: object) -> bool:
-    if not isinstance(module, str):
-        return False
-    top = module.partition(".")[0]
-    return top in _MACHINERY or top in sys.stdlib_module_names
+    return isinstance(module, str) and module.partition(".")[0] in _MACHINERY
 
 
 def _importable(module: str) -> bool:
@@ -205,8 +203,8 @@ def _dump_error(obj: object, backend: str, error: BaseException) -> DumpError:
     """A DumpError that names the object that cannot be pickled, its path in the graph, and what to do."""
     if isinstance(error, RecursionError):
         return DumpError(
-            f"cannot pickle {type(obj).__name__}: the object graph is nested too deeply for pickle ({error}); "
-            f"raise sys.setrecursionlimit or flatten the structure"
+            f"cannot pickle {type(obj).__name__}: the object graph is nested too deeply for pickle (deep recursion: "
+            f"{error}); raise sys.setrecursionlimit or flatten the structure"
         )
     pickler_backend = backend
 
