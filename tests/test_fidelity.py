@@ -515,3 +515,40 @@ def _deep() -> list[Any]:
         node.append([])
         node = node[0]
     return root
+
+
+# -- the library's errors pickle, attributes included (a worker process sends them back) ------------------------
+
+
+def test_every_library_error_pickles_with_its_attributes() -> None:
+    import pickle
+
+    from zerocopy_pickle import errors
+
+    cases: list[BaseException] = [
+        zp.ZeroCopyPickleError("base"),
+        zp.SnapshotError("bad"),
+        zp.IntegrityError("sum"),
+        zp.UnsafeArgumentError("arg"),
+        zp.DumpError("cannot", path="obj.x"),
+        zp.Unpicklable("no"),
+        zp.RestrictedLoadError("refused", refused=("m", "q"), needed=(("m", "q"),), blocked=(("os", "system"),)),
+        zp.DeviceError("dev"),
+        zp.ArgumentError("argument"),
+        zp.PluginError("plugin", plugin="p", package="pkg"),
+        zp.MissingGlobalError("missing", module="a.b", qualname="C.D"),
+    ]
+    assert {type(e) for e in cases} >= {getattr(errors, name) for name in errors.__all__}
+    for error in cases:
+        if hasattr(error, "add_note"):
+            error.add_note("a note")
+        clone = pickle.loads(pickle.dumps(error))
+        assert type(clone) is type(error)
+        assert str(clone) == str(error) and clone.args == error.args
+        assert vars(clone) == vars(error)
+        if isinstance(error, ImportError):
+            assert clone.name == error.name
+    # through a worker process, as multiprocessing and cloudpickle's suite send them
+    missing = zp.MissingGlobalError("missing", module="a.b", qualname="C")
+    again = zp.loads(zp.dumps(missing), trusted=True)
+    assert (type(again), again.module, again.qualname, again.name) == (zp.MissingGlobalError, "a.b", "C", "a.b")

@@ -26,7 +26,28 @@ __all__ = [
 
 
 class ZeroCopyPickleError(Exception):
-    """Base class of every error raised by zerocopy_pickle."""
+    """Base class of every error raised by zerocopy_pickle.
+
+    Every one pickles (a worker process sends it back to its parent, ``multiprocessing`` re-raises it), attributes
+    included: ``BaseException``'s own reduction would call the class with the message alone.
+    """
+
+    def __reduce__(self) -> tuple[object, ...]:
+        state = dict(vars(self))
+        if isinstance(self, ImportError):  # name and path are not in __dict__
+            state["name"], state["path"] = self.name, self.path
+        return _rebuild_error, (type(self), self.args, state)
+
+
+def _rebuild_error(cls: type[ZeroCopyPickleError], args: tuple[object, ...], state: dict[str, object]) -> BaseException:
+    """The unpickling side of :meth:`ZeroCopyPickleError.__reduce__`: the instance without calling ``__init__``."""
+    if not (isinstance(cls, type) and issubclass(cls, ZeroCopyPickleError)):
+        raise TypeError(f"not a zerocopy_pickle error class: {cls!r:.80}")
+    error = cls.__new__(cls, *args)
+    error.args = args
+    for key, value in state.items():
+        setattr(error, key, value)
+    return error
 
 
 class SnapshotError(ZeroCopyPickleError, ValueError):
