@@ -183,7 +183,7 @@ def _quant_state_record(quant_state: Any) -> tuple[dict[str, Any], dict[str, Any
     if unknown:
         # A bitsandbytes release added state this quirk does not know how to carry: failing is better than a
         # snapshot that silently computes something else.
-        raise TypeError(
+        raise Unpicklable(
             f"zerocopy_pickle's bitsandbytes quirk does not know the QuantState attribute(s) {unknown}; "
             f"this bitsandbytes version is not supported yet"
         )
@@ -491,7 +491,7 @@ def reduce_matmul_lt_state(state: Any) -> tuple[Any, ...]:
     fields = dict(vars(state))
     unknown = sorted(set(fields) - _MATMUL_FIELDS)
     if unknown:
-        raise TypeError(
+        raise Unpicklable(
             f"zerocopy_pickle's bitsandbytes quirk does not know the MatmulLtState attribute(s) {unknown}; "
             f"this bitsandbytes version is not supported yet"
         )
@@ -549,7 +549,7 @@ def _hook_specs(module: Any, hook: Any) -> list[dict[str, Any]]:
             }
         ]
     what = f"{key} (offloading)" if key == _ALIGN_DEVICES_HOOK else key
-    raise TypeError(
+    raise Unpicklable(
         f"{type(module).__name__} carries the accelerate hook {what}, which zerocopy_pickle cannot snapshot: its "
         f"weights live outside the module or its behaviour is unknown. Dispatch the model without offloading, or "
         f"call accelerate.hooks.remove_hook_from_module(model, recurse=True) before dumping."
@@ -570,7 +570,7 @@ def _strip_accelerate(module: Any, state: dict[str, Any]) -> dict[str, Any] | No
         # forward the user replaced before hooking would be lost, so refuse that.
         hooked = isinstance(forward, functools.partial) and bool(forward.args) and forward.args[0] is module
         if not (hooked and _is_own_method(module, old_forward, "forward")):
-            raise TypeError(
+            raise Unpicklable(
                 f"{type(module).__name__} has an accelerate hook over a replaced forward method, which "
                 f"zerocopy_pickle cannot snapshot; call accelerate.hooks.remove_hook_from_module first"
             )

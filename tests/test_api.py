@@ -20,7 +20,7 @@ PUBLIC = {
     "ZeroCopyPickleError", "SnapshotError", "DumpError", "RestrictedLoadError", "DeviceError", "ArgumentError",
     "PluginError", "PluginWarning", "Reducer", "Registrar", "register_reducer", "unregister_reducer", "reducers",
     "Registry", "default_registry",
-    "BACKENDS", "read_header", "IntegrityError", "Unpicklable",
+    "BACKENDS", "read_header", "IntegrityError", "Unpicklable", "MissingGlobalError",
     "UnsafeArgumentError", "allow_function", "__version__",
 }  # fmt: skip
 
@@ -49,6 +49,7 @@ def test_error_hierarchy() -> None:
     assert issubclass(zp.DeviceError, RuntimeError)
     assert issubclass(zp.ArgumentError, ValueError)
     assert issubclass(zp.PluginError, ImportError)
+    assert issubclass(zp.MissingGlobalError, (zp.SnapshotError, ImportError))
     for error in (
         zp.SnapshotError,
         zp.RestrictedLoadError,
@@ -56,6 +57,7 @@ def test_error_hierarchy() -> None:
         zp.DeviceError,
         zp.ArgumentError,
         zp.PluginError,
+        zp.MissingGlobalError,
     ):
         assert issubclass(error, zp.ZeroCopyPickleError)
 

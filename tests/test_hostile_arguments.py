@@ -172,6 +172,19 @@ def test_builtin_safe_globals_refuse_hostile_arguments(pair: tuple[str, str]) ->
         check_hostile_arguments(entry.value, f"{pair[0]}:{pair[1]}", random_tuples=100)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "pair",
+    [("torch._utils", "_rebuild_wrapper_subclass"), ("zerocopy_pickle.rebuild", "rebuild_memory_format")],
+    ids=lambda pair: f"{pair[0]}:{pair[1]}",
+)
+def test_rebuilders_added_for_weights_only_parity_refuse_hostile_arguments(pair: tuple[str, str]) -> None:
+    """Reachable since restricted loads accept wrapper subclasses and memory formats (as torch.load(weights_only=True)
+    does); the parametrized test above covers them too, this names them so that losing one fails here."""
+    entry = safe_table()[pair]
+    assert entry.callable
+    check_hostile_arguments(entry.value, f"{pair[0]}:{pair[1]}", random_tuples=300)  # type: ignore[arg-type]
+
+
 def test_the_loads_storage_builder_refuses_hostile_arguments() -> None:
     """``zerocopy_pickle.rebuild:rebuild_storage`` is not in the safe table: a restricted load resolves it to its own
     StorageBuilder, which a stream calls with arguments of its choosing too."""

@@ -15,6 +15,7 @@ __all__ = [
     "DeviceError",
     "DumpError",
     "IntegrityError",
+    "MissingGlobalError",
     "PluginError",
     "RestrictedLoadError",
     "SnapshotError",
@@ -25,7 +26,28 @@ __all__ = [
 
 
 class ZeroCopyPickleError(Exception):
-    """Base class of every error raised by zerocopy_pickle."""
+    """Base class of every error raised by zerocopy_pickle.
+
+    Every one pickles (a worker process sends it back to its parent, ``multiprocessing`` re-raises it), attributes
+    included: ``BaseException``'s own reduction would call the class with the message alone.
+    """
+
+    def __reduce__(self) -> tuple[object, ...]:
+        state = dict(vars(self))
+        if isinstance(self, ImportError):  # name and path are not in __dict__
+            state["name"], state["path"] = self.name, self.path
+        return _rebuild_error, (type(self), self.args, state)
+
+
+def _rebuild_error(cls: type[ZeroCopyPickleError], args: tuple[object, ...], state: dict[str, object]) -> BaseException:
+    """The unpickling side of :meth:`ZeroCopyPickleError.__reduce__`: the instance without calling ``__init__``."""
+    if not (isinstance(cls, type) and issubclass(cls, ZeroCopyPickleError)):
+        raise TypeError(f"not a zerocopy_pickle error class: {cls!r:.80}")
+    error = cls.__new__(cls, *args)
+    error.args = args
+    for key, value in state.items():
+        setattr(error, key, value)
+    return error
 
 
 class SnapshotError(ZeroCopyPickleError, ValueError):
@@ -33,6 +55,24 @@ class SnapshotError(ZeroCopyPickleError, ValueError):
 
     The message names the field or range that is wrong and where it is.
     """
+
+
+class MissingGlobalError(SnapshotError, ImportError):
+    """A global the stream names cannot be imported here: its module is missing, or has no such attribute.
+
+    Also an ``ImportError``, as ``pickle.loads`` raises (``ModuleNotFoundError`` or ``AttributeError`` there), so
+    ``except ImportError`` matches; the original error is its ``__cause__``.
+
+    Attributes:
+        module: the module the stream names (also ``name``, as for every ``ImportError``).
+        qualname: the qualified name in it.
+    """
+
+    def __init__(self, message: str, *, module: str, qualname: str) -> None:
+        super().__init__(message)
+        self.name = module
+        self.module = module
+        self.qualname = qualname
 
 
 class UnsafeArgumentError(SnapshotError):

@@ -26,7 +26,7 @@ import os
 import pickle
 import threading
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -34,7 +34,14 @@ import torch
 
 from . import rebuild, validate
 from .device import MapLocation, static_target
-from .errors import ArgumentError, RestrictedLoadError, SnapshotError, ZeroCopyPickleError
+from .errors import (
+    ArgumentError,
+    MissingGlobalError,
+    RestrictedLoadError,
+    SnapshotError,
+    Unpicklable,
+    ZeroCopyPickleError,
+)
 from .format import BufferSpec, PluginRef
 from .registry import Registry, default_registry
 from .restricted import AllowList, AllowSpec, stream_uses
@@ -124,6 +131,13 @@ def _reduce_tensor(state: _DumpState, tensor: torch.Tensor) -> tuple[Any, ...]:
     # to write and to load than Tensor.__reduce_ex__'s TypedStorage wrapper, and it records the dtype for
     # the header. Everything else (quantized, sparse, nested, meta, conj/neg views, tensors carrying Python
     # state or hooks) takes torch's own path, whose storages reach the storage reducers below.
+    if tensor._is_zerotensor():
+        # A ZeroTensor's "storage" is whatever memory it was made over, not its (all-zero) value: torch.save
+        # refuses it too.
+        raise Unpicklable(
+            f"cannot pickle a ZeroTensor (torch._efficientzerotensor, shape {tuple(tensor.shape)}, {tensor.dtype}): "
+            f"it holds no data of its own; save torch.zeros_like(tensor) instead, as torch.save would require"
+        )
     if (
         tensor.layout is not torch.strided
         or tensor.is_quantized
@@ -165,6 +179,12 @@ def _wrap_v3_storage(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
         inner_func, inner_args = _wrap_v3_storage(inner_func, inner_args)
         return func, (inner_func, new_type, inner_args, obj_state)
     return func, args
+
+
+def _reduce_memory_format(fmt: torch.memory_format) -> tuple[Any, ...]:
+    # pickle would write a global in whichever module of sys.modules first reaches torch (torch._utils, or the
+    # caller's own module): a name no safe table can list. One fixed rebuild function instead.
+    return rebuild.rebuild_memory_format, (str(fmt).removeprefix("torch."),)
 
 
 def _on_buffer(state: _DumpState, callback: Callable[[pickle.PickleBuffer], Any], buffer: pickle.PickleBuffer) -> Any:
@@ -225,6 +245,7 @@ class _Reductions:
         table[torch.Tensor] = functools.partial(_reduce_tensor, self._state)
         table[torch.UntypedStorage] = functools.partial(_reduce_untyped_storage, self._state)
         table.update(dict.fromkeys(_storage_types(), reduce_typed))
+        table[torch.memory_format] = _reduce_memory_format
         self.dispatch_table = table
         return None if buffer_callback is None else functools.partial(_on_buffer, self._state, buffer_callback)
 
@@ -430,14 +451,14 @@ class ZeroCopyUnpickler(pickle.Unpickler):
 
     def load(self) -> Any:
         if self.allow_list is None:
-            with _gc_paused():
+            with _sparse_tensors_checked(), _gc_paused():
                 return super().load()
         if self._resolved is None:
             assert self._stream is not None
             uses = self._uses if self._uses is not None else stream_uses(self._stream)
             self._resolved = self.allow_list.admit(uses)
         try:
-            with _gc_paused(), validate.budget(self._budget):
+            with _sparse_tensors_checked(), _gc_paused(), validate.budget(self._budget):
                 return super().load()
         except ZeroCopyPickleError:
             raise
@@ -463,10 +484,73 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         try:
             return super().find_class(module, name)
         except (ImportError, AttributeError) as e:
-            raise SnapshotError(
+            raise MissingGlobalError(
                 f"the stream needs {module}:{name}, which cannot be imported here ({e}); install the package "
-                f"that defines it"
+                f"that defines it",
+                module=module,
+                qualname=name,
             ) from e
+
+
+# Note [Sparse tensors in loads]: torch's _rebuild_sparse_tensor builds a sparse tensor unchecked and appends it to
+# torch._utils._sparse_tensors_to_validate; torch.load validates that list (when sparse invariant checks are on,
+# torch.sparse.check_sparse_tensor_invariants) and clears it before it returns. A load here does the same for the
+# tensors it added, and releases them whether it succeeds or fails, so none stays referenced by torch for good.
+# (Restricted loads rebuild sparse tensors with safeglobals.safe_rebuild_sparse_tensor, which checks at once and
+# adds nothing; a trusted load runs torch's own.) Entries of other loads running at the same time are left alone.
+@contextlib.contextmanager
+def _sparse_tensors_checked() -> Iterator[None]:
+    pending: list[torch.Tensor] = torch._utils._sparse_tensors_to_validate
+    before = {id(t) for t in pending} if pending else set()
+    try:
+        yield
+    except BaseException:
+        _take_new(pending, before)
+        raise
+    added = _take_new(pending, before)
+    if added and torch.sparse.check_sparse_tensor_invariants.is_enabled():
+        for tensor in added:
+            _validate_sparse(tensor)
+
+
+def _take_new(pending: list[torch.Tensor], before: set[int]) -> list[torch.Tensor]:
+    """Remove from ``pending`` (by identity: ``==`` on tensors compares elements) what is not in ``before``."""
+    if not pending:
+        return []
+    added = [t for t in pending if id(t) not in before]
+    if added:
+        pending[:] = [t for t in pending if id(t) in before]
+    return added
+
+
+def _validate_sparse(tensor: torch.Tensor) -> None:
+    """torch._utils._validate_loaded_sparse_tensors for one tensor, raising a SnapshotError."""
+    layout = tensor.layout
+    try:
+        if layout is torch.sparse_coo:
+            torch._validate_sparse_coo_tensor_args(
+                tensor._indices(), tensor._values(), tensor.size(), tensor.is_coalesced(), check_pinning=False
+            )
+        elif layout in (torch.sparse_csr, torch.sparse_bsr):
+            torch._validate_sparse_compressed_tensor_args(
+                tensor.crow_indices(),
+                tensor.col_indices(),
+                tensor.values(),
+                tensor.size(),
+                layout,
+                check_pinning=False,
+            )
+        elif layout in (torch.sparse_csc, torch.sparse_bsc):
+            torch._validate_sparse_compressed_tensor_args(
+                tensor.ccol_indices(),
+                tensor.row_indices(),
+                tensor.values(),
+                tensor.size(),
+                layout,
+                check_pinning=False,
+            )
+    except (RuntimeError, ValueError, IndexError) as e:
+        raise SnapshotError(f"a {layout} sparse tensor in the snapshot violates its invariants: {e}") from e
 
 
 # Note [GC during loads]: unpickling a model creates thousands of container objects (modules, their dicts,

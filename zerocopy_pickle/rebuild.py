@@ -23,6 +23,7 @@ from .errors import UnsafeArgumentError
 __all__ = [
     "StorageBuilder",
     "empty_tensor",
+    "rebuild_memory_format",
     "rebuild_meta_storage",
     "rebuild_storage",
     "rebuild_tensor",
@@ -129,6 +130,27 @@ def rebuild_typed_storage(storage: torch.UntypedStorage, dtype: torch.dtype) -> 
 def rebuild_meta_storage(nbytes: int) -> torch.UntypedStorage:
     """A meta storage holds no data: only its size travels."""
     return torch.UntypedStorage(nbytes, device="meta")
+
+
+MEMORY_FORMATS: dict[str, torch.memory_format] = {
+    "contiguous_format": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "channels_last_3d": torch.channels_last_3d,
+    "preserve_format": torch.preserve_format,
+}
+"""Every memory format by the name :func:`rebuild_memory_format` takes (``str(fmt)`` without ``torch.``)."""
+
+
+def rebuild_memory_format(name: str) -> torch.memory_format:
+    """``torch.<name>``, a memory format, from a fixed table. Pickle writes a memory format as a global found by
+    searching ``sys.modules`` for a module that reaches it (``torch._utils:torch.channels_last``, or any module that
+    imported torch first): this library's pickler writes this call instead, whose name never varies."""
+    try:
+        return MEMORY_FORMATS[name]
+    except (KeyError, TypeError):
+        raise UnsafeArgumentError(
+            f"zerocopy_pickle.rebuild:rebuild_memory_format: {name!r:.60} is not a torch memory format"
+        ) from None
 
 
 class StorageBuilder:

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from . import rebuild, semantics
-from .errors import ArgumentError, PluginError, RestrictedLoadError, SnapshotError
+from .errors import ArgumentError, MissingGlobalError, PluginError, RestrictedLoadError, SnapshotError
 from .safeglobals import safe_table
 from .semantics import StreamUses
 from .streamcheck import walk_stream
@@ -491,9 +491,11 @@ def _resolve(module: str, qualname: str) -> object:
         for part in qualname.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
-        raise SnapshotError(
+        raise MissingGlobalError(
             f"the stream needs {module}:{qualname}, which cannot be imported here ({e}); install the package "
-            f"that defines it"
+            f"that defines it",
+            module=module,
+            qualname=qualname,
         ) from e
     if "." in qualname and not (isinstance(obj, type) and obj.__module__ == module and obj.__qualname__ == qualname):
         raise RestrictedLoadError(

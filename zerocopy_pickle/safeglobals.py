@@ -399,6 +399,65 @@ def safe_rebuild_nested_tensor(buffer: Any, sizes: Any, strides: Any, storage_of
     return torch._nested_view_from_buffer(buffer, sizes, strides, offsets)
 
 
+_TENSOR_META = type(torch.Tensor)
+
+
+def safe_rebuild_wrapper_subclass(
+    cls: Any,
+    dtype: Any,
+    size: Any,
+    stride: Any,
+    storage_offset: Any,
+    layout: Any,
+    device: Any,
+    requires_grad: Any,
+) -> torch.Tensor:
+    """``torch._utils._rebuild_wrapper_subclass``: an empty wrapper tensor subclass (one that holds no storage of its
+    own; its ``__dict__``, restored by ``_rebuild_from_type_v2``, holds the data).
+
+    ``cls`` must be a tensor subclass with its own ``__torch_dispatch__``, and it is a class the load resolved: the
+    caller allowed it (``allow=[cls]``), as ``torch.serialization.add_safe_globals`` must list it for ``torch.load``.
+    Nothing is allocated; ``device`` is kept as recorded (a wrapper holds no memory to move)."""
+    where = "torch._utils:_rebuild_wrapper_subclass"
+    if type(cls) is not _TENSOR_META or torch.Tensor not in cls.__mro__ or cls is torch.Tensor:
+        fail(where, f"cls must be a tensor subclass, not {type(cls).__qualname__}")
+    if cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+        fail(where, f"{cls.__qualname__} is not a wrapper tensor subclass (it has no __torch_dispatch__ of its own)")
+    expect(dtype, torch.dtype, where, "dtype")
+    size, stride = _shape(size, stride, where)
+    if len(size) != len(stride) or len(size) > MAX_DIMS:
+        fail(where, f"size has {len(size)} dimensions but stride has {len(stride)}")
+    expect_int(storage_offset, where, "storage_offset")
+    expect(layout, torch.layout, where, "layout")
+    if layout is not torch.strided:
+        fail(where, f"layout must be torch.strided, not {layout}")
+    expect(device, torch.device, where, "device")
+    grad = _requires_grad(requires_grad, dtype, where)
+    try:
+        wrapper: torch.Tensor = torch.Tensor._make_wrapper_subclass(
+            cls,
+            size,
+            strides=stride,
+            dtype=dtype,
+            storage_offset=storage_offset,
+            layout=layout,
+            device=device,
+            requires_grad=grad,
+        )
+        return wrapper
+    except RuntimeError as e:
+        fail(where, f"torch refused the wrapper: {e}")
+
+
+def safe_rebuild_memory_format(name: Any) -> torch.memory_format:
+    """:func:`zerocopy_pickle.rebuild.rebuild_memory_format`: a memory format by name, from a fixed table."""
+    where = "zerocopy_pickle.rebuild:rebuild_memory_format"
+    try:
+        return rebuild.MEMORY_FORMATS[expect_str(name, where, "name", max_len=64)]
+    except KeyError:
+        fail(where, f"{name!r:.60} is not a torch memory format")
+
+
 _HOOK_ATTRIBUTES = frozenset({"_backward_hooks", "_post_accumulate_grad_hooks", "grad_fn", "_grad_fn"})
 
 
@@ -693,6 +752,8 @@ _CALLS: dict[tuple[str, str], tuple[Callable[..., Any], frozenset[str]]] = {
     ("torch._utils", "_rebuild_sparse_tensor"): (safe_rebuild_sparse_tensor, frozenset()),
     ("torch._utils", "_rebuild_nested_tensor"): (safe_rebuild_nested_tensor, frozenset()),
     ("torch._utils", "_rebuild_meta_tensor_no_storage"): (safe_rebuild_meta_tensor_no_storage, frozenset()),
+    ("torch._utils", "_rebuild_wrapper_subclass"): (safe_rebuild_wrapper_subclass, frozenset()),
+    ("zerocopy_pickle.rebuild", "rebuild_memory_format"): (safe_rebuild_memory_format, frozenset()),
     ("torch._tensor", "_rebuild_from_type_v2"): (safe_rebuild_from_type_v2, frozenset()),
     ("torch.serialization", "_get_layout"): (safe_get_layout, frozenset()),
     ("torch.nn.parameter", "Parameter"): (safe_parameter, frozenset()),
@@ -723,6 +784,7 @@ _TENSOR_REBUILDERS = frozenset(
         safe_rebuild_sparse_tensor,
         safe_rebuild_nested_tensor,
         safe_rebuild_meta_tensor_no_storage,
+        safe_rebuild_wrapper_subclass,
     }
 )
 _FACTORIES.update({id(cls): cls for cls in (list, dict, tuple, set, frozenset, int, float, complex, bool, str)})
@@ -763,4 +825,9 @@ def safe_table() -> Mapping[tuple[str, str], SafeGlobal]:
         value = getattr(torch, name, None)
         if isinstance(value, (torch.dtype, torch.qscheme, torch.memory_format, torch.layout)):
             table["torch", name] = SafeGlobal(value)
+    # Memory formats as plain pickle writes them: the global "torch.<name>" in the first module of sys.modules
+    # that reaches torch, which is torch._utils in a process that imported torch first (torch.save's files).
+    # This library's pickler writes rebuild_memory_format(name) instead (see zerocopy_pickle.rebuild).
+    for name, value in rebuild.MEMORY_FORMATS.items():
+        table["torch._utils", f"torch.{name}"] = SafeGlobal(value)
     return types.MappingProxyType(table)

@@ -55,7 +55,40 @@ _PICKLE_ERRORS = (
     RuntimeError,
     RecursionError,
 )
-# RuntimeError: torch's reducers refuse some objects that way; RecursionError: graphs nested too deeply.
+# RuntimeError: torch's C reducers refuse some objects that way; RecursionError: graphs nested too deeply.
+
+
+def _refused_by_pickle(error: BaseException) -> bool:
+    """Whether ``error`` is pickle (or a backend, or torch's own reducers) refusing an object, rather than code of
+    the object graph failing: a ``__reduce__``, ``__reduce_ex__``, ``__getstate__`` or a registered reducer that
+    raised. Only the first becomes a :class:`DumpError`; the second reaches the caller as itself, as it does
+    from ``pickle.dumps`` (``except ValueError`` keeps matching).
+
+    Told apart by where it was raised: pickle's refusals (``PicklingError``, ``cannot pickle 'X' object``,
+    ``Can't pickle local object``) are raised in C (the pickler, or a builtin type's ``__reduce_ex__``) or by
+    pickle, copyreg, the backends or this library; an error whose traceback passes through any other module's code
+    (the object's own ``__getstate__``, a registered reducer, the standard library's and torch's reducers alike)
+    came from the graph's code, and pickle would let it propagate.
+    """
+    if isinstance(error, (pickle.PicklingError, RecursionError)):
+        return True
+    if not isinstance(error, _PICKLE_ERRORS):
+        return False
+    if isinstance(error, TypeError) and str(error).startswith("cannot pickle"):  # object.__reduce_ex__'s refusal
+        return True
+    tb = error.__traceback__
+    while tb is not None:
+        if not _is_machinery(tb.tb_frame.f_globals.get("__name__")):
+            return False
+        tb = tb.tb_next
+    return True
+
+
+_MACHINERY = frozenset({"pickle", "_pickle", "copyreg", "_compat_pickle", "cloudpickle", "dill", "zerocopy_pickle"})
+
+
+def _is_machinery(module: object) -> bool:
+    return isinstance(module, str) and module.partition(".")[0] in _MACHINERY
 
 
 def _importable(module: str) -> bool:
@@ -98,7 +131,10 @@ class _Prepared:
                 pickler.dump(obj)
             except Unpicklable as e:  # a reducer refused for good: no other backend is worth a try
                 raise _dump_error(obj, attempt, e, registry) from e
-            except _PICKLE_ERRORS as e:
+            except Exception as e:
+                if not _refused_by_pickle(e):  # the graph's own code failed: the caller gets its exception
+                    _note_path(obj, attempt, e, registry)
+                    raise
                 first_error = first_error or e
                 continue
             finally:
@@ -135,12 +171,46 @@ class _Prepared:
         self.pieces = pieces
 
 
+def _note_path(obj: object, backend: str, error: BaseException, registry: Registry | None) -> None:
+    """Add where in the graph ``error`` was raised to its notes (Python 3.11+), when it can be found."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is None:
+        return
+
+    def try_dump(candidate: object) -> BaseException | None:
+        try:
+            _make_pickler(backend, io.BytesIO(), lambda buffer: False, registry).dump(candidate)
+        except Exception as e:
+            return e
+        return None
+
+    try:
+        failure = locate_failure(obj, try_dump, reduce=_reducer_as_pickler(registry))
+    except Exception:  # the search itself failed: the error stands without a path
+        return
+    if failure is not None:
+        what = getattr(failure.obj, "__qualname__", None) or type(failure.obj).__qualname__
+        add_note(f"(raised by zerocopy_pickle.dump while pickling {what} at {failure.path})")
+
+
+def _reducer_as_pickler(registry: Registry | None) -> Callable[[Any], Any]:
+    """A function that reduces an object as the pickler would: a reducer ``registry`` has first."""
+    table = registry if registry is not None else default_registry()
+
+    def reduce(candidate: Any) -> Any:
+        reducer = table.lookup(type(candidate))
+        reduced = reducer.reduce(candidate) if reducer is not None else NotImplemented
+        return candidate.__reduce_ex__(5) if reduced is NotImplemented else reduced
+
+    return reduce
+
+
 def _dump_error(obj: object, backend: str, error: BaseException, registry: Registry | None = None) -> DumpError:
     """A DumpError that names the object that cannot be pickled, its path in the graph, and what to do."""
     if isinstance(error, RecursionError):
         return DumpError(
-            f"cannot pickle {type(obj).__name__}: the object graph is nested too deeply for pickle ({error}); "
-            f"raise sys.setrecursionlimit or flatten the structure"
+            f"cannot pickle {type(obj).__name__}: the object graph is nested too deeply for pickle (deep recursion: "
+            f"{error}); raise sys.setrecursionlimit or flatten the structure"
         )
     pickler_backend = backend
 
@@ -151,12 +221,7 @@ def _dump_error(obj: object, backend: str, error: BaseException, registry: Regis
             return e
         return None
 
-    def reduce(candidate: Any) -> Any:  # as the pickler would: a registered reducer first
-        reducer = (registry or default_registry()).lookup(type(candidate))
-        reduced = reducer.reduce(candidate) if reducer is not None else NotImplemented
-        return candidate.__reduce_ex__(5) if reduced is NotImplemented else reduced
-
-    failure = locate_failure(obj, try_dump, reduce=reduce)
+    failure = locate_failure(obj, try_dump, reduce=_reducer_as_pickler(registry))
     if failure is None:  # pickles piecewise but not as a whole: report the whole
         return DumpError(f"cannot pickle {type(obj).__name__} (backend {backend!r}): {error}", path="obj")
     culprit = failure.obj
@@ -426,17 +491,39 @@ def _open_path(path: PathLike, copy: bool) -> tuple[mmap.mmap, bool]:
         os.close(fd)
 
 
+_MAPPABLE_BUFFERED = (io.BufferedReader, io.BufferedRandom)
+
+
+def _mappable_fd(f: BinaryIO) -> int | None:
+    """The fd behind ``f`` when the bytes ``f`` returns are exactly that fd's bytes from ``f.tell()`` on: a plain
+    ``open(path, "rb")`` (or ``"r+b"``, or unbuffered) file object, of exactly the standard classes. Anything
+    else (``gzip``/``bz2``/``lzma`` files, whose ``fileno()`` is the compressed file's; ``BytesIO``; wrappers and
+    subclasses that may transform what they read) is read through its ``read``, never mapped."""
+    cls = type(f)
+    if cls in _MAPPABLE_BUFFERED:
+        if type(getattr(f, "raw", None)) is not io.FileIO:
+            return None
+    elif cls is not io.FileIO:
+        return None
+    try:
+        return f.fileno()
+    except (OSError, ValueError):
+        return None
+
+
 def _open_file(f: BinaryIO, copy: bool) -> tuple[mmap.mmap, bool]:
     """Map a snapshot at the current position of an open file, or read it when that is not possible; and
     whether its bytes can no longer change (as for :func:`_open_path`)."""
+    fd = _mappable_fd(f)
     try:
-        fd = f.fileno()
-        start = f.tell()
-        size = arena.regular_file_size(fd)
-    except (AttributeError, OSError, io.UnsupportedOperation):
+        size = None if fd is None else arena.regular_file_size(fd)
+        start = f.tell() if size is not None else 0
+    except (OSError, io.UnsupportedOperation):
         size = None
-    if copy or size is None or start % mmap.ALLOCATIONGRANULARITY:
-        return _read_copy(f, None if size is None else max(size - start, 0)), True
+    if size is None or fd is None:
+        return _read_copy(f, None), True
+    if copy or start % mmap.ALLOCATIONGRANULARITY:
+        return _read_copy(f, max(size - start, 0)), True
     fixed = os.pread(fd, format.FIXED_NBYTES, start)
     _, total, _ = format.decode_fixed(fixed, None)
     if start + total > size:
@@ -466,9 +553,11 @@ def load(
     the file and every other load of it are unchanged. The mapping lives as long as any storage in it.
 
     Args:
-        f: a path, or a binary file object positioned at the start of a snapshot. A regular file whose
-            position is page-aligned is mapped; anything else (a pipe, a socket, an unaligned position) is
-            read into private memory once.
+        f: a path, or a binary file object positioned at the start of a snapshot. A plain file object
+            (``open(path, "rb")``, exactly ``io.BufferedReader``, ``io.BufferedRandom`` or ``io.FileIO``) over a
+            regular file, at a page-aligned position, is mapped; anything else (a ``gzip``/``bz2``/``lzma``
+            file, ``io.BytesIO``, a pipe, a socket, a wrapper or subclass, an unaligned position) is read
+            through its ``read`` into private memory once.
         map_location: where storages go, as for ``torch.load`` (a device string, ``torch.device``, a dict
             from saved to new locations, or a callable ``f(storage, location)``). Storages placed on the CPU
             stay zero-copy.
@@ -833,9 +922,13 @@ class Snapshot:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        if getattr(self, "_fd", -1) >= 0:
-            self.close()
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:
+        # At interpreter exit this may run after the module's globals were cleared (os is None by then): use only
+        # what the function itself holds.
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0:
+            self._fd = -1
+            _close(fd)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"fd={self._fd}"
