@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,14 +124,28 @@ def build_gpt2(directory: Path, seed: int = 0) -> str:
     return str(directory)
 
 
-# Loaders the tests route through the cache as patch points ("tests.cache_helpers:slow_load").
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    """Poll ``condition`` until it holds. ``timeout`` only bounds a hang (it fails the test); it never paces one."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still waiting after {timeout:.0f} s for {what}")
+        time.sleep(0.02)
 
 
-def slow_load(path: str, seconds: float = 4.0) -> dict[str, Any]:
-    """Loads a torch.save file slowly (so a test can kill the server while the loader works)."""
+# Loaders the tests route through the cache as patch points ("tests.cache_helpers:gated_load").
+
+
+def gated_load(path: str, gate: str) -> dict[str, Any]:
+    """Loads a torch.save file. In the cache's loader it first creates ``gate/entered`` and waits for
+    ``gate/release``, so that a test acts (kills the server) while the loader is known to be working on the miss;
+    anywhere else (a client loading directly) it loads at once. The loader's wait is bounded only so that a
+    forgotten child ends."""
     import torch
 
-    time.sleep(seconds)
+    if os.environ.get("ZEROCOPY_PICKLE_CACHE_LOADER"):
+        Path(gate, "entered").touch()
+        wait_until(Path(gate, "release").exists, "the test to release the loader", timeout=600)
     return {"state": torch.load(path, weights_only=True), "path": path}
 
 

@@ -10,12 +10,10 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +24,7 @@ from zerocopy_pickle.cache import protocol
 from zerocopy_pickle.cache.server import Server
 from zerocopy_pickle.demo import build_controlnet_pipeline
 
-from .cache_helpers import ServerProcess, build_gpt2, private_dir, run_client
+from .cache_helpers import ServerProcess, build_gpt2, private_dir, run_client, wait_until
 from .conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -50,6 +48,9 @@ for path in paths:
                 "seconds": seconds})
 print(json.dumps({"loads": out}))
 """
+
+PLAIN_GPT2_CLIENT = GPT2_CLIENT.replace("cache.patch_all(autostart=False)", "pass")  # the same loads, uncached
+assert PLAIN_GPT2_CLIENT != GPT2_CLIENT
 
 PIPELINE_CLIENT = """
 import json, sys, warnings
@@ -119,7 +120,7 @@ def test_gpt2_miss_then_hit_with_identical_outputs(server: ServerProcess, models
     for load in second:
         assert load["sum"] == first["sum"] and load["first"] == first["first"]
         assert load["key"] == first["key"]
-    plain = run_client(server, GPT2_CLIENT.replace("cache.patch_all(autostart=False)", "pass"), models["gpt2"])
+    plain = run_client(server, PLAIN_GPT2_CLIENT, models["gpt2"])
     assert plain["loads"][0]["sum"] == first["sum"]
 
 
@@ -245,7 +246,11 @@ def test_checkpoint_rewritten_in_place_is_not_served_stale(
 
 
 def test_sixteen_clients_twenty_loads_each(server: ServerProcess, models: dict[str, str]) -> None:
+    # The reference is a plain load (a miss is answered from the stored entry, as the hits are); every hit then
+    # gives the miss's result exactly.
+    plain = run_client(server, PLAIN_GPT2_CLIENT, models["gpt2"])["loads"][0]["sum"]
     expected = run_client(server, GPT2_CLIENT, models["gpt2"])["loads"][0]["sum"]
+    assert expected == pytest.approx(plain, rel=1e-12)
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", GPT2_CLIENT, *([models["gpt2"]] * 20)],
@@ -266,24 +271,30 @@ def test_sixteen_clients_twenty_loads_each(server: ServerProcess, models: dict[s
     assert server.status()["hits"] == 16 * 20
 
 
-def test_server_killed_mid_request_clients_fall_back(server: ServerProcess, models: dict[str, str]) -> None:
+def test_server_killed_mid_request_clients_fall_back(
+    server: ServerProcess, models: dict[str, str], tmp_path: Path
+) -> None:
     code = """
 import json, sys, warnings, torch
 warnings.simplefilter("always")
 from zerocopy_pickle import cache
-cache.patch_all(["tests.cache_helpers:slow_load"], autostart=False)
+cache.patch_all(["tests.cache_helpers:gated_load"], autostart=False)
 from tests import cache_helpers
-result = cache_helpers.slow_load(sys.argv[1], 3.0)
+result = cache_helpers.gated_load(sys.argv[1], sys.argv[2])
 print(json.dumps({"sum": float(result["state"]["w"].sum()), "cached": cache.cached_key(result) is not None}))
 """
+    gate = tmp_path / "gate"
+    gate.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, models["state"]], env={**os.environ, **server.env},
+        [sys.executable, "-c", code, models["state"], str(gate)], env={**os.environ, **server.env},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
     )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while server.status()["misses"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    server.kill()  # while the loader works on the client's miss
+    try:
+        wait_until(lambda: (gate / "entered").exists() or proc.poll() is not None, "the loader to take the miss")
+        assert (gate / "entered").exists(), proc.communicate()
+        server.kill()  # while the loader works on the client's miss (it waits for the release below)
+    finally:
+        (gate / "release").touch()
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     result = json.loads(out.strip().splitlines()[-1])
@@ -369,6 +380,18 @@ sys.stdin.readline()  # stay alive while another client loads
     writer.communicate(timeout=60)
 
 
+KEEPS_LOADING = """
+import sys
+from zerocopy_pickle import cache
+cache.patch_all(autostart=False)
+from transformers import GPT2LMHeadModel
+held = []
+for _ in range(1000):  # until killed
+    held.append(GPT2LMHeadModel.from_pretrained(sys.argv[1]))  # each one's segments mapped, held
+    print("loaded", cache.cached_key(held[-1]) is not None, flush=True)
+"""
+
+
 def test_killed_clients_leak_nothing_in_the_server(server: ServerProcess, models: dict[str, str]) -> None:
     run_client(server, GPT2_CLIENT, models["gpt2"])  # an entry to ask for
     key = server.status()["entries"][0]["key"]
@@ -383,15 +406,20 @@ def test_killed_clients_leak_nothing_in_the_server(server: ServerProcess, models
 
     for _ in range(200):
         abandon()
+    # A client killed while it loads: it says when it has two cached models mapped, and goes on asking.
     killed = subprocess.Popen(
-        [sys.executable, "-c", GPT2_CLIENT, *([models["gpt2"]] * 50)], env={**os.environ, **server.env},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+        [sys.executable, "-c", KEEPS_LOADING, models["gpt2"]], env={**os.environ, **server.env},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
     )  # fmt: skip
-    time.sleep(4)
-    killed.send_signal(signal.SIGKILL)
-    killed.wait()
-    time.sleep(1)
-    assert server.open_fds() <= baseline_fds + 2
+    try:
+        assert killed.stdout is not None
+        lines = [killed.stdout.readline().strip() for _ in range(2)]
+    finally:
+        killed.kill()  # SIGKILL, mid-way through its next load
+        _, err = killed.communicate()
+    assert lines == ["loaded True", "loaded True"], err
+    # The server notices hung-up clients on its own threads: wait for the descriptors to go (the bound fails it).
+    wait_until(lambda: server.open_fds() <= baseline_fds + 2, "the server to close what the clients left")
     assert server.rss() < baseline_rss + 32 * 2**20
     assert run_client(server, GPT2_CLIENT, models["gpt2"])["loads"][0]["key"] == key
 
