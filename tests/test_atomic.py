@@ -197,7 +197,8 @@ def test_file_size_limit_raises_oserror_and_keeps_the_old_snapshot(
 
 
 class FailingWritev:
-    """``os.writev`` that writes at most ``budget`` bytes in all, then fails with ``error``."""
+    """``os.writev`` (and, through :meth:`install`, ``os.pwritev`` and ``os.pwrite``: a dump to a path writes
+    with those) that writes at most ``budget`` bytes in all, then fails with ``error``."""
 
     def __init__(self, budget: int, error: int = errno.ENOSPC, watch: Path | None = None) -> None:
         self.budget = budget
@@ -207,8 +208,15 @@ class FailingWritev:
         self.watch = watch
         self.names_while_writing: list[str] = []
         self.real = os.writev
+        self.real_pwritev = os.pwritev
 
-    def __call__(self, fd: int, buffers: list[memoryview]) -> int:
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> FailingWritev:
+        monkeypatch.setattr(os, "writev", self)
+        monkeypatch.setattr(os, "pwritev", self)
+        monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: self(fd, [data], offset))
+        return self
+
+    def __call__(self, fd: int, buffers: list[memoryview], offset: int | None = None) -> int:
         self.calls += 1
         if self.watch is not None:
             self.names_while_writing = listing(self.watch)
@@ -222,7 +230,7 @@ class FailingWritev:
             total += take.nbytes
             if total >= room:
                 break
-        n = self.real(fd, batch)
+        n = self.real(fd, batch) if offset is None else self.real_pwritev(fd, batch, offset)
         self.written += n
         return n
 
@@ -232,8 +240,7 @@ def test_disk_full_raises_oserror_and_keeps_the_old_snapshot(
 ) -> None:
     path = old_snapshot[0]
     before = listing(path.parent)
-    fake = FailingWritev(budget=(3 * MiB) // 2, watch=path.parent)
-    monkeypatch.setattr(os, "writev", fake)
+    fake = FailingWritev(budget=(3 * MiB) // 2, watch=path.parent).install(monkeypatch)
     with pytest.raises(OSError, match="No space left") as info:
         zp.dump(medium_state(), path)
     assert info.value.errno == errno.ENOSPC
@@ -255,7 +262,7 @@ def test_disk_full_raises_oserror_and_keeps_the_old_snapshot(
 def test_disk_full_on_a_new_path_creates_nothing(
     tmp_path: Path, write_mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(os, "writev", FailingWritev(budget=100_000))
+    FailingWritev(budget=100_000).install(monkeypatch)
     with pytest.raises(OSError, match="No space"):
         zp.dump(medium_state(), tmp_path / "new.zcp", fsync=True)
     assert listing(tmp_path) == []
@@ -357,6 +364,16 @@ def _temp_fd_size(pid: int, directory: Path) -> int | None:
     return None
 
 
+def _bytes_written(pid: int) -> int | None:
+    """How many bytes ``pid`` has passed to write system calls so far (``wchar`` of ``/proc/<pid>/io``)."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines())
+    except OSError:
+        return None
+    return int(fields["wchar"])
+
+
 @pytest.mark.slow
 def test_sigkill_during_dump_leaves_the_old_snapshot_and_no_temporary_file(
     old_snapshot: tuple[Path, dict[str, torch.Tensor], str],
@@ -379,12 +396,16 @@ def test_sigkill_during_dump_leaves_the_old_snapshot_and_no_temporary_file(
             assert proc.stdout is not None
             line = proc.stdout.readline()
             assert line.strip() == "writing", proc.communicate()[1]
+            before_dump = _bytes_written(proc.pid) or 0  # what the child wrote before (imports, its output)
             deadline = time.monotonic() + 120  # a guard against a hung child, not a timing assertion
             while time.monotonic() < deadline and proc.poll() is None:
+                # The temporary file has its final size from the start (preallocated): how far the write got is
+                # what the child has written so far.
                 size = _temp_fd_size(proc.pid, directory)
-                if size is not None and 32 * MiB <= size < total:
+                written = (_bytes_written(proc.pid) or before_dump) - before_dump
+                if size is not None and 32 * MiB <= written < total:
                     os.kill(proc.pid, signal.SIGKILL)
-                    killed_at = size
+                    killed_at = written
                     break
                 time.sleep(0.001)
         finally:
