@@ -52,6 +52,7 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(PY) benchmarks/snapshot.py
+	$(PY) benchmarks/dump.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

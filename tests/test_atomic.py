@@ -196,7 +196,8 @@ def test_file_size_limit_raises_oserror_and_keeps_the_old_snapshot(
 
 
 class FailingWritev:
-    """``os.writev`` that writes at most ``budget`` bytes in all, then fails with ``error``."""
+    """``os.writev`` (and, through :meth:`install`, ``os.pwritev`` and ``os.pwrite``: a dump to a path writes
+    with those) that writes at most ``budget`` bytes in all, then fails with ``error``."""
 
     def __init__(self, budget: int, error: int = errno.ENOSPC, watch: Path | None = None) -> None:
         self.budget = budget
@@ -206,8 +207,15 @@ class FailingWritev:
         self.watch = watch
         self.names_while_writing: list[str] = []
         self.real = os.writev
+        self.real_pwritev = os.pwritev
 
-    def __call__(self, fd: int, buffers: list[memoryview]) -> int:
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> FailingWritev:
+        monkeypatch.setattr(os, "writev", self)
+        monkeypatch.setattr(os, "pwritev", self)
+        monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: self(fd, [data], offset))
+        return self
+
+    def __call__(self, fd: int, buffers: list[memoryview], offset: int | None = None) -> int:
         self.calls += 1
         if self.watch is not None:
             self.names_while_writing = listing(self.watch)
@@ -221,7 +229,7 @@ class FailingWritev:
             total += take.nbytes
             if total >= room:
                 break
-        n = self.real(fd, batch)
+        n = self.real(fd, batch) if offset is None else self.real_pwritev(fd, batch, offset)
         self.written += n
         return n
 
@@ -231,8 +239,7 @@ def test_disk_full_raises_oserror_and_keeps_the_old_snapshot(
 ) -> None:
     path = old_snapshot[0]
     before = listing(path.parent)
-    fake = FailingWritev(budget=(3 * MiB) // 2, watch=path.parent)
-    monkeypatch.setattr(os, "writev", fake)
+    fake = FailingWritev(budget=(3 * MiB) // 2, watch=path.parent).install(monkeypatch)
     with pytest.raises(OSError, match="No space left") as info:
         zp.dump(medium_state(), path)
     assert info.value.errno == errno.ENOSPC
@@ -254,7 +261,7 @@ def test_disk_full_raises_oserror_and_keeps_the_old_snapshot(
 def test_disk_full_on_a_new_path_creates_nothing(
     tmp_path: Path, write_mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(os, "writev", FailingWritev(budget=100_000))
+    FailingWritev(budget=100_000).install(monkeypatch)
     with pytest.raises(OSError, match="No space"):
         zp.dump(medium_state(), tmp_path / "new.zcp", fsync=True)
     assert listing(tmp_path) == []
@@ -321,15 +328,27 @@ def test_without_proc_link_the_unnamed_file_is_copied(
 # ---------------------------------------------------------------------------------------------------------
 
 KILLED_CHILD = """
-import resource, signal, sys
+import os, resource, signal, sys
 import torch
 import zerocopy_pickle as zp
 
-count, limit = int(sys.argv[2]), int(sys.argv[3])
+count, kill_after = int(sys.argv[2]), int(sys.argv[3])
 state = {f"layer{i}.weight": torch.full((512 * 1024,), float(i + 1)) for i in range(count)}  # 2 MiB each
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; by default the kernel kills the process
-resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+written = 0
+pwrite, pwritev = os.pwrite, os.pwritev
+
+
+def dies_midway(n):  # SIGKILL from inside the write path once kill_after bytes are in: no handler, no cleanup
+    global written
+    written += n
+    if written >= kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return n
+
+
+os.pwrite = lambda fd, data, offset: dies_midway(pwrite(fd, data, offset))
+os.pwritev = lambda fd, views, offset: dies_midway(pwritev(fd, views, offset))
 print("writing", flush=True)
 zp.dump(state, sys.argv[1])
 print("done", flush=True)
@@ -339,14 +358,15 @@ print("done", flush=True)
 def test_a_dump_killed_mid_write_leaves_the_old_snapshot_and_no_temporary_file(
     old_snapshot: tuple[Path, dict[str, torch.Tensor], str],
 ) -> None:
-    """The kernel kills the dumping process, no handler or cleanup running (as SIGKILL would), at a point set in
-    advance rather than raced for: the write that would take its file past ``RLIMIT_FSIZE`` (32 MiB of 64)."""
+    """The dumping process gets SIGKILL (no handler or cleanup runs) at a point set in advance rather than raced
+    for: from inside its own write calls, once 32 MiB of the 64 are written (the file is preallocated, so its size
+    says nothing about progress)."""
     path = old_snapshot[0]
     before = listing(path.parent)
-    count, limit = 32, 32 * MiB
-    assert path.stat().st_size < limit < count * 2 * MiB
-    proc = run_python(KILLED_CHILD, str(path), str(count), str(limit), check=False, timeout=300)
-    assert proc.returncode == -signal.SIGXFSZ, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    count, kill_after = 32, 32 * MiB
+    assert path.stat().st_size < kill_after < count * 2 * MiB
+    proc = run_python(KILLED_CHILD, str(path), str(count), str(kill_after), check=False, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr[-3000:])
     assert proc.stdout.split() == ["writing"]
     assert_untouched(old_snapshot, before)
 

@@ -1,8 +1,11 @@
 """Internal: where snapshot bytes live: files written atomically, sealed memfds, and private mappings of either.
 
-Writers produce a snapshot as a list of pieces (header, stream, padding, storage bytes) and hand it to
-:func:`write_pieces`, which writes them with ``writev`` in as few system calls as the kernel allows: each
-storage byte is copied exactly once, from the tensor's memory into the page cache (or the memfd).
+Writers produce a snapshot either as a list of pieces (header, stream, padding, storage bytes) for
+:func:`write_pieces` (``writev`` in as few system calls as the kernel allows, for memfds and small files), or,
+for a snapshot file, as pieces placed at their offsets for :func:`write_placed` after :func:`preallocate`: the
+file gets its final size first (its blocks too, where the file system can), then each piece is written where it
+belongs in chunks of :data:`WRITE_CHUNK`, and padding is left to read as zeros. Either way each storage byte is
+copied exactly once, from the tensor's memory into the page cache (or the memfd).
 
 Readers map a snapshot with :func:`map_private` (``MAP_PRIVATE``): pages are shared with the page cache (and
 with every other process that maps the same file or memfd) until a page is written, and a write to a loaded
@@ -20,7 +23,7 @@ import os
 import secrets
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import BinaryIO
 
 __all__ = [
@@ -32,13 +35,23 @@ __all__ = [
     "create_memfd",
     "is_immutable",
     "map_private",
+    "preallocate",
     "read_exact_into",
     "seal",
     "seals_of",
     "write_pieces",
+    "write_placed",
 ]
 
 Piece = bytes | bytearray | memoryview
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_fallocate = _libc.fallocate64 if hasattr(_libc, "fallocate64") else _libc.fallocate
+_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_fallocate.restype = ctypes.c_int
+_fstatfs = _libc.fstatfs
+_fstatfs.argtypes = [ctypes.c_int, ctypes.c_char_p]
+_fstatfs.restype = ctypes.c_int
 
 _IOV_MAX = 1024  # the Linux limit on iovecs per writev call
 _MAX_WRITE = 0x7FFFF000  # Linux transfers at most this much per write/writev call
@@ -77,6 +90,113 @@ def write_pieces(fd: int, pieces: Sequence[Piece]) -> int:
                 views[i] = views[i][written:]
                 written = 0
     return total
+
+
+WRITE_CHUNK = 2 << 20
+"""Bytes per ``pwrite``/``pwritev`` of :func:`write_placed` (a 2 MiB huge page): small enough that a chunk an
+observer just read (a checksum) is still in the CPU cache when the kernel copies it; large enough that system
+calls cost nothing next to the copy."""
+
+_FALLOC_UNSUPPORTED = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV})
+_TMPFS_MAGIC = 0x01021994
+
+
+def preallocate(fd: int, nbytes: int) -> None:
+    """Give an empty regular file (or memfd) its final size before it is written.
+
+    On disk file systems the blocks are allocated too (``fallocate``, one call): ext4 then skips the delayed-
+    allocation bookkeeping it otherwise does page by page during the writes, and a full disk fails here, before
+    anything is copied. On tmpfs (and memfds) ``fallocate`` would clear every page only to have it overwritten,
+    and where the file system has no ``fallocate``, the size alone is set (``ftruncate``). Bytes never written
+    read as zeros either way.
+
+    Raises:
+        OSError: from the kernel (``ENOSPC``, ``EFBIG`` over a file size limit).
+    """
+    if nbytes <= 0:
+        return
+    if not _on_tmpfs(fd):
+        if _fallocate(fd, 0, 0, nbytes) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in _FALLOC_UNSUPPORTED:
+            raise OSError(err, os.strerror(err))
+    os.ftruncate(fd, nbytes)
+
+
+def _on_tmpfs(fd: int) -> bool:
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
+    if _fstatfs(fd, buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value == _TMPFS_MAGIC
+
+
+def write_placed(
+    fd: int,
+    placed: Sequence[tuple[int, Piece]],
+    *,
+    observe: Callable[[int, memoryview], object] | None = None,
+) -> None:
+    """Write each ``(offset, piece)`` at its offset of ``fd`` (``pwrite``; the file position is not used).
+
+    Pieces are written in chunks of at most :data:`WRITE_CHUNK` bytes, in order; small neighbours share one
+    ``pwritev`` (with the zero padding between them, when the gap is shorter than a page), and larger gaps are
+    skipped: after :func:`preallocate` they read as zeros. ``observe(i, chunk)``, if given, sees every chunk of
+    piece ``i`` (in order, an empty piece as one empty chunk) just before it is written, while it is still in
+    the CPU cache: a checksum computed there costs no second pass over memory.
+
+    Raises:
+        OSError: from the kernel (a full disk, a file size limit); what was written stays written.
+    """
+    batch: list[memoryview] = []
+    start = end = 0  # the file range the batch covers
+    for index, (offset, piece) in enumerate(placed):
+        view = memoryview(piece).cast("B")
+        at = 0
+        while True:
+            chunk = view[at : at + WRITE_CHUNK]
+            if observe is not None:
+                observe(index, chunk)
+            if chunk.nbytes:
+                position = offset + at
+                gap = position - end
+                if batch and (gap < 0 or gap >= len(_ZEROS) or len(batch) >= _IOV_MAX - 1):
+                    _pwrite_all(fd, batch, start)
+                    batch = []
+                if not batch:
+                    start = end = position
+                elif gap:
+                    batch.append(_ZEROS[:gap])
+                batch.append(chunk)
+                end = position + chunk.nbytes
+                if end - start >= WRITE_CHUNK:
+                    _pwrite_all(fd, batch, start)
+                    batch = []
+            at += chunk.nbytes
+            if at >= view.nbytes:
+                break
+    if batch:
+        _pwrite_all(fd, batch, start)
+
+
+_ZEROS = memoryview(bytes(4096))
+
+
+def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
+    """``pwritev`` every view at ``offset``, retrying after short writes."""
+    while views:
+        written = os.pwritev(fd, views, offset) if len(views) > 1 else os.pwrite(fd, views[0], offset)
+        if written <= 0:
+            raise OSError(errno.EIO, f"the kernel wrote nothing at offset {offset}")
+        offset += written
+        while written:
+            n = views[0].nbytes
+            if written >= n:
+                written -= n
+                views = views[1:]
+            else:
+                views = [views[0][written:], *views[1:]]
+                written = 0
 
 
 def write_pieces_to_file(f: BinaryIO, pieces: Sequence[Piece]) -> int:
@@ -158,7 +278,6 @@ def atomic_output(path: str | os.PathLike[str], *, fsync: bool = False) -> Itera
             _unlink_and_release(tmp_name)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 

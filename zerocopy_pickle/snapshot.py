@@ -107,10 +107,17 @@ def _make_pickler(
 class _Prepared:
     """A pickled object graph, laid out and ready to write: the pieces reference the storages' memory."""
 
-    __slots__ = ("backend", "layout", "pieces")
+    __slots__ = ("_encode", "_pending", "backend", "body", "layout", "pieces", "views")
 
     def __init__(
-        self, obj: object, backend: str, checksums: bool, key: bytes | str | None, registry: Registry | None = None
+        self,
+        obj: object,
+        backend: str,
+        checksums: bool,
+        key: bytes | str | None,
+        registry: Registry | None = None,
+        *,
+        for_file: bool = False,
     ) -> None:
         if backend not in BACKENDS:
             raise ArgumentError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {backend!r}")
@@ -145,21 +152,27 @@ class _Prepared:
             assert first_error is not None
             raise _dump_error(obj, backend, first_error, registry) from first_error
         body = stream.getbuffer()
-        sums = integrity.checksums(body, views) if checksums or key is not None else None
+        stream_sum = integrity.checksum(body) if checksums or key is not None else None
         signer = None if key is None else functools.partial(integrity.sign, key, stream=body)
-        self.layout = format.encode(
-            body.nbytes,
-            pickler.buffer_specs,
-            plugins=pickler.plugins_used,
-            checksums=sums,
-            sign=signer,
-            producer={
-                "zerocopy_pickle": __version__,
-                "torch": torch.__version__,
-                "python": platform.python_version(),
-                "backend": "dill" if attempt == "dill" else "pickle" + ("+cloudpickle" if pickler._by_value else ""),
-            },
-        )
+        producer = {
+            "zerocopy_pickle": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "backend": "dill" if attempt == "dill" else "pickle" + ("+cloudpickle" if pickler._by_value else ""),
+        }
+
+        def encode(buffer_sums: tuple[str, ...]) -> format.Layout:
+            sums = None if stream_sum is None else format.Checksums(format.CHECKSUM_ALGORITHM, stream_sum, buffer_sums)
+            specs, plugins = pickler.buffer_specs, pickler.plugins_used
+            return format.encode(body.nbytes, specs, plugins=plugins, checksums=sums, sign=signer, producer=producer)
+
+        self._encode, self.body, self.views = encode, body, views
+        # for_file: the buffers' checksums are computed as they are written (write_file); until then, stand-ins.
+        self._pending = pending = for_file and stream_sum is not None
+        self.layout = encode((integrity.PENDING,) * len(views) if pending else tuple(map(integrity.checksum, views)))
+        if for_file:
+            self.pieces = []
+            return
         layout = self.layout
         pieces: list[arena.Piece] = [layout.prefix, body]
         pieces += format.padded_pieces(
@@ -169,6 +182,22 @@ class _Prepared:
             end=layout.total_nbytes,
         )
         self.pieces = pieces
+
+    def write_file(self, fd: int) -> None:
+        """Write the snapshot into an empty regular file (made with ``for_file=True``): its final size first,
+        then the buffers, checksummed on the way (one pass over their memory), then the header that records
+        those checksums, and the stream. Gaps are left to read as zeros."""
+        layout = self.layout
+        arena.preallocate(fd, layout.total_nbytes)
+        offsets = [layout.data_offset + offset for offset in layout.buffer_offsets]
+        placed = list(zip(offsets, self.views, strict=True))
+        if not self._pending:  # no checksums to record
+            arena.write_placed(fd, placed)
+        else:
+            layout = self._encode(integrity.write_checksummed(fd, placed))
+            if (layout.data_offset, layout.buffer_offsets) != (self.layout.data_offset, self.layout.buffer_offsets):
+                raise AssertionError("the header changed length once its checksums were filled in")
+        arena.write_placed(fd, [(0, layout.prefix), (layout.stream_offset, self.body)])
 
 
 def _note_path(obj: object, backend: str, error: BaseException, registry: Registry | None) -> None:
@@ -285,9 +314,9 @@ def dump(
         OSError: writing failed (a full disk, say); a path keeps its previous contents.
     """
     if isinstance(f, (str, os.PathLike)):
-        prepared = _Prepared(obj, backend, checksums, key, registry)
+        prepared = _Prepared(obj, backend, checksums, key, registry, for_file=True)
         with arena.atomic_output(f, fsync=fsync) as fd:
-            arena.write_pieces(fd, prepared.pieces)
+            prepared.write_file(fd)
     elif hasattr(f, "write"):
         pieces = _Prepared(obj, backend, checksums, key, registry).pieces
         arena.write_pieces_to_file(f, pieces)  # type: ignore[arg-type]
