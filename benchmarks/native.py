@@ -63,7 +63,7 @@ def bench_storage_build(count: int, repeat: int) -> dict[str, dict[str, float]]:
     whole = memoryview(arena)
     slices = [whole[i * 64 : (i + 1) * 64] for i in range(count)]
     frombuffer, uint8 = torch.frombuffer, torch.uint8
-    with native._use("native"):
+    with native.use("native"):
         native_build = native.storage_builder()
     assert native_build is not None
 
@@ -101,13 +101,13 @@ def bench_snapshot_load(count: int, repeat: int) -> dict[str, dict[str, float]]:
     result: dict[str, list[float]] = {name: [] for name in BACKENDS}
     with zp.freeze(state) as snap:
         for name in BACKENDS:  # warm-up: the stream check's cache, plugin discovery, prototypes
-            with native._use(name):
+            with native.use(name):
                 loaded = snap.load()
                 assert torch.equal(loaded["layer7.weight"], state["layer7.weight"])
                 del loaded
         for _ in range(repeat):
             for name in BACKENDS:
-                with native._use(name):
+                with native.use(name):
                     result[name].append(median_time(snap.load, 1) / count * 1e6)
     return {name: {"median": statistics.median(v), "min": min(v)} for name, v in result.items()}
 

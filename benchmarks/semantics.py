@@ -75,7 +75,7 @@ def python_analysis(stream: bytes) -> semantics.StreamUses:
 def bench(name: str, obj: object, allow: list[Any] | None, repeat: int, workdir: Path) -> dict[str, Any]:
     stream = stream_of(obj)
     result: dict[str, Any] = {"stream_bytes": len(stream)}
-    with native._use("native"):
+    with native.use("native"):
         assert semantics._native_uses(stream) == python_analysis(stream)
         native_ms = cpu_median(lambda: semantics._native_uses(stream), repeat) * 1e3
     result["analysis_ms"] = {"python": cpu_median(lambda: python_analysis(stream), repeat) * 1e3, "native": native_ms}
@@ -88,7 +88,7 @@ def bench(name: str, obj: object, allow: list[Any] | None, repeat: int, workdir:
 
     loads: dict[str, float] = {}
     for backend in ("python", "native"):
-        with native._use(backend):
+        with native.use(backend):
             restricted()  # warm up
             loads[f"trusted/{backend}"] = cpu_median(lambda: zp.load(path, trusted=True), repeat) * 1e3
             loads[f"restricted-first/{backend}"] = cpu_median(restricted, repeat) * 1e3

@@ -127,6 +127,7 @@ PUBLIC_MODULES = {
     "zerocopy_pickle.validate",
     "zerocopy_pickle.errors",
     "zerocopy_pickle.cache",
+    "zerocopy_pickle.native",
 }
 
 

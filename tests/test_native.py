@@ -64,14 +64,14 @@ def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     name: str = request.param
     if name == "native":
         request.getfixturevalue("native_built")
-    with native._use(name):
+    with native.use(name):
         assert native.backend() == name
         yield name
 
 
 @pytest.fixture
 def native_storage(native_built: Path) -> native.StorageFromBuffer:
-    with native._use("native"):
+    with native.use("native"):
         build = native.storage_builder()
     assert build is not None
     return build
@@ -211,7 +211,7 @@ def test_loads_agree_between_backends(native_built: Path, tmp_path: Path, source
 
     results: dict[str, Any] = {}
     for name in BACKENDS:
-        with native._use(name):
+        with native.use(name):
             results[name] = load()
     py, nat = (_flatten(results[name]) for name in BACKENDS)
     assert len(py) == len(nat) == len(_flatten(obj)) > 10
@@ -424,7 +424,7 @@ def test_jit_load_errors_agree(native_built: Path, archives: dict[str, tuple[byt
     for buffer, location in cases:
         errors: list[type[BaseException] | None] = []
         for name in BACKENDS:
-            with native._use(name):
+            with native.use(name):
                 try:
                     native.jit_load_from_buffer(buffer, location)
                     errors.append(None)
@@ -560,7 +560,7 @@ def test_a_build_that_fails_raises_and_auto_stays_python(tmp_path: Path) -> None
         for attempt in ("build", "again", "use"):
             try:
                 if attempt == "use":
-                    with native._use("native"):
+                    with native.use("native"):
                         pass
                 else:
                     native.build()

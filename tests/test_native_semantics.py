@@ -42,7 +42,7 @@ def analyzer() -> Analyzer:
         native.build()
     except native.NativeBuildError as e:
         pytest.fail(f"a C++ toolchain is present but the native helpers do not build: {e}")
-    with native._use("native"):
+    with native.use("native"):
         found = native.stream_analyzer()
     assert found is not None
     return found
@@ -162,11 +162,11 @@ def test_tensor_pickles_agree(analyzer: Analyzer, protocol: int) -> None:
 
 def test_uses_agrees_between_backends() -> None:
     stream = zerocopy_stream(OBJECTS["tied-net"])
-    with native._use("python"):
+    with native.use("python"):
         semantics.forget()
         expected = semantics.uses(stream)
     try:
-        with native._use("native"):
+        with native.use("native"):
             semantics.forget()
             assert semantics.uses(stream) == expected
     except native.NativeBuildError:
@@ -181,7 +181,7 @@ def test_uses_refusals_carry_the_python_message(backend: str, analyzer: Analyzer
     stream = b"\x80\x05cbuiltins\nobject\n)R}b}b."
     messages = []
     for name in ("python", backend):
-        with native._use(name):
+        with native.use(name):
             semantics.forget()
             with pytest.raises(RestrictedLoadError) as info:
                 semantics.uses(stream)
@@ -384,13 +384,13 @@ def test_no_read_past_the_end(analyzer: Analyzer) -> None:
 
 
 def test_python_backend_has_no_analyzer() -> None:
-    with native._use("python"):
+    with native.use("python"):
         assert native.stream_analyzer() is None
         assert semantics._native_uses(b"N.") is None
 
 
 def test_native_errors_fall_back_to_python(analyzer: Analyzer) -> None:
-    with native._use("native"):
+    with native.use("native"):
         assert semantics._native_uses(b"N.") == python_verdict(b"N.")
         for stream in (b"])R.", b"N", b"Np+0\n."):
             assert semantics._native_uses(stream) is None

@@ -1,4 +1,5 @@
-"""Internal: the switch between the optional native helpers (``csrc/``) and their pure-Python equivalents.
+"""The switch between the optional native helpers (``csrc/``) and their pure-Python equivalents (public:
+:func:`backend`, :func:`build`, :func:`use`, :func:`cache_dir` and the errors; the rest serves the library).
 
 Every function here has a Python implementation that gives the same results; a native one replaces it only
 where it measurably pays (``benchmarks/native.py``):
@@ -71,6 +72,7 @@ __all__ = [
     "jit_load_from_buffer",
     "storage_builder",
     "stream_analyzer",
+    "use",
 ]
 
 ENV = "ZEROCOPY_PICKLE_NATIVE"
@@ -223,7 +225,7 @@ def _load_cached_quietly() -> ModuleType | None:
 
 
 @contextlib.contextmanager
-def _use(name: str) -> Iterator[None]:
+def use(name: str) -> Iterator[None]:
     """For tests and benchmarks: make ``name`` (``"python"`` or ``"native"``) the active backend inside the
     block, whatever the environment says; ``"native"`` builds if needed (:class:`NativeBuildError`).
     Loads started inside the block use it (a load resolves its storage builder when it starts)."""
