@@ -59,7 +59,7 @@ _PICKLE_ERRORS = (
 
 
 def _refused_by_pickle(error: BaseException) -> bool:
-    """Whether ``error`` is pickle (or a backend, or torch's own reducers) refusing an object, rather than code of
+    """Whether ``error`` is pickle (or a backend, or a builtin type's C reducer) refusing an object, rather than code of
     the object graph failing: a ``__reduce__``, ``__reduce_ex__``, ``__getstate__`` or a registered reducer that
     raised. Only the first becomes a :class:`DumpError`; the second reaches the caller as itself, as it does
     from ``pickle.dumps`` (``except ValueError`` keeps matching).
@@ -203,7 +203,7 @@ class _Prepared:
 def _note_path(obj: object, backend: str, error: BaseException, registry: Registry | None) -> None:
     """Add where in the graph ``error`` was raised to its notes (Python 3.11+), when it can be found."""
     add_note = getattr(error, "add_note", None)
-    if add_note is None:
+    if add_note is None or isinstance(error, MemoryError):  # no second pass over the graph without memory
         return
 
     def try_dump(candidate: object) -> BaseException | None:
