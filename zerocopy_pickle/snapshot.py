@@ -6,9 +6,10 @@ callback only *collects* each storage's memory; then :func:`~zerocopy_pickle.for
 snapshot out, and the pieces are written in one pass (``writev``): each tensor byte is copied once, straight
 from the tensor into the file or memfd.
 
-Load: the snapshot is mapped ``MAP_PRIVATE`` once, its header validated, each buffer sliced from the mapping,
-and the C unpickler rebuilds every storage as a view into it. Load time grows with the number of objects,
-not of bytes; pages are read when a tensor first touches them.
+Load: :func:`~zerocopy_pickle.sources.open_source` maps the snapshot ``MAP_PRIVATE`` once (or reads it into
+private memory) and validates its header; each buffer is sliced from the mapping, and the C unpickler rebuilds
+every storage as a view into it. Load time grows with the number of objects, not of bytes; pages are read when
+a tensor first touches them.
 """
 
 from __future__ import annotations
