@@ -6,9 +6,10 @@ callback only *collects* each storage's memory; then :func:`~zerocopy_pickle.for
 snapshot out, and the pieces are written in one pass (``writev``): each tensor byte is copied once, straight
 from the tensor into the file or memfd.
 
-Load: the snapshot is mapped ``MAP_PRIVATE`` once, its header validated, each buffer sliced from the mapping,
-and the C unpickler rebuilds every storage as a view into it. Load time grows with the number of objects,
-not of bytes; pages are read when a tensor first touches them.
+Load: :func:`~zerocopy_pickle.sources.open_source` maps the snapshot ``MAP_PRIVATE`` once (or reads it into
+private memory) and validates its header; each buffer is sliced from the mapping, and the C unpickler rebuilds
+every storage as a view into it. Load time grows with the number of objects, not of bytes; pages are read when
+a tensor first touches them.
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ import mmap
 import os
 import pickle
 import platform
-import stat
 from collections.abc import Callable
-from typing import IO, Any, BinaryIO, Union
+from typing import IO, Any, Union
 
 import torch
 
-from . import arena, format, integrity, loadcore
+from . import arena, format, integrity, loadcore, sources
 from ._version import __version__
 from .device import MapLocation
 from .errors import ArgumentError, DumpError, SnapshotError, Unpicklable, ZeroCopyPickleError
@@ -386,13 +386,6 @@ def freeze(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _header_of(view: memoryview) -> format.Header:
-    # decode_header validates the fixed header (this length included) before it looks at the blob.
-    header_nbytes = int.from_bytes(view[12:16], "little")
-    blob = view[format.FIXED_NBYTES : format.FIXED_NBYTES + header_nbytes]
-    return format.decode_header(view[: format.FIXED_NBYTES], blob, view.nbytes)
-
-
 def _load_view(
     view: memoryview,
     *,
@@ -403,6 +396,7 @@ def _load_view(
     key: bytes | str | None = None,
     stable: bool = False,
     registry: Registry | None = None,
+    header: format.Header | None = None,
 ) -> Any:
     """Unpickle the snapshot that fills ``view`` (writable, aligned); storages become views into it.
 
@@ -414,9 +408,11 @@ def _load_view(
     What is checked is what is used: the header and the stream are parsed, checked and unpickled from private
     copies (``bytes``). ``stable`` says that nobody can change the bytes behind ``view`` (private memory, a
     sealed memfd); otherwise ``verify`` copies every buffer into private memory as it checks it, and the
-    storages are views into that copy.
+    storages are views into that copy. ``header``: the header already decoded from ``view`` (by
+    :func:`~zerocopy_pickle.sources.open_source`), else it is decoded here.
     """
-    header = _header_of(view)
+    if header is None:
+        header = sources.read_header(sources.at_view(view), view.nbytes)
     stream = bytes(view[header.stream_offset : header.stream_offset + header.stream_nbytes])
     if key is not None:
         integrity.verify_signature(header, stream, key)
@@ -444,124 +440,6 @@ def _load_view(
         where=f"the pickle stream (offset {header.stream_offset})",
         registry=registry,
     )
-
-
-def _map_fd(fd: int, nbytes: int, offset: int = 0) -> mmap.mmap:
-    if nbytes < format.FIXED_NBYTES:
-        raise SnapshotError(
-            f"truncated snapshot: {nbytes} bytes, but the fixed header alone is {format.FIXED_NBYTES} bytes"
-        )
-    if offset:
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
-    return arena.map_private(fd, nbytes)
-
-
-_FIRST_READ = 1 << 20
-"""How much private memory a copying read reserves before the input has delivered anything beyond the header."""
-
-
-def _read_copy(f: BinaryIO, available: int | None = None) -> mmap.mmap:
-    """Read one snapshot from the current position of ``f`` into private anonymous memory.
-
-    The fixed header's total length is only a claim: memory grows with what the input delivers (doubling from
-    1 MiB, up to the claim), so a header that declares a terabyte and then ends costs what arrived, and is a
-    truncation error. ``available``, when known (a regular file's size past the position), is checked against
-    the claim before anything is reserved.
-    """
-    try:
-        return _read_growing(f, available)
-    except BlockingIOError as e:
-        raise SnapshotError(f"{e.strerror}: pass a blocking file object (or read the snapshot first)") from None
-
-
-def _read_growing(f: BinaryIO, available: int | None) -> mmap.mmap:
-    head = bytearray(format.FIXED_NBYTES)
-    got = arena.read_exact_into(f, memoryview(head))  # a pipe may deliver the 32 bytes in pieces
-    _, total, _ = format.decode_fixed(bytes(head[:got]), None)
-    if available is not None and total > available:
-        raise SnapshotError(f"truncated snapshot: the header says {total} bytes, the file holds {available}")
-    capacity = min(total, _FIRST_READ)  # even a file's size is only what it claims to hold (it may be sparse)
-    memory = arena.anonymous(capacity)
-    memory[:got] = head
-    while True:
-        view = memoryview(memory)
-        try:
-            n = arena.read_exact_into(f, view[got:capacity])
-        finally:
-            view.release()  # no export may outlive this pass: resize needs none
-        got += n
-        if got < capacity or capacity == total:
-            break
-        capacity = min(total, 2 * capacity)
-        memory.resize(capacity)  # mremap: the pages move, nothing is copied
-    if got != total:
-        memory.close()
-        raise SnapshotError(f"truncated snapshot: the header says {total} bytes, the input ended after {got}")
-    return memory
-
-
-def _open_path(path: PathLike, copy: bool) -> tuple[mmap.mmap, bool]:
-    """The snapshot at ``path``, mapped or read, and whether its bytes can no longer change (read into private
-    memory, or a sealed memfd) rather than a mapping of a file someone could rewrite."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise SnapshotError(f"{os.fspath(path)!r} is a directory, not a snapshot")
-        size = st.st_size if stat.S_ISREG(st.st_mode) else None
-        if size is None or copy:
-            with os.fdopen(os.dup(fd), "rb", buffering=0) as raw:
-                memory = _read_copy(raw, size)
-                if raw.read(1):
-                    raise SnapshotError(f"trailing bytes after the {len(memory)}-byte snapshot in {path!r}")
-                return memory, True
-        return _map_fd(fd, size), arena.is_immutable(fd)
-    finally:
-        os.close(fd)
-
-
-_MAPPABLE_BUFFERED = (io.BufferedReader, io.BufferedRandom)
-
-
-def _mappable_fd(f: BinaryIO) -> int | None:
-    """The fd behind ``f`` when the bytes ``f`` returns are exactly that fd's bytes from ``f.tell()`` on: a plain
-    ``open(path, "rb")`` (or ``"r+b"``, or unbuffered) file object, of exactly the standard classes. Anything
-    else (``gzip``/``bz2``/``lzma`` files, whose ``fileno()`` is the compressed file's; ``BytesIO``; wrappers and
-    subclasses that may transform what they read) is read through its ``read``, never mapped."""
-    cls = type(f)
-    if cls in _MAPPABLE_BUFFERED:
-        if type(getattr(f, "raw", None)) is not io.FileIO:
-            return None
-    elif cls is not io.FileIO:
-        return None
-    try:
-        return f.fileno()
-    except (OSError, ValueError):
-        return None
-
-
-def _open_file(f: BinaryIO, copy: bool) -> tuple[mmap.mmap, bool]:
-    """Map a snapshot at the current position of an open file, or read it when that is not possible; and
-    whether its bytes can no longer change (as for :func:`_open_path`)."""
-    fd = _mappable_fd(f)
-    try:
-        size = None if fd is None else arena.regular_file_size(fd)
-        start = f.tell() if size is not None else 0
-    except (OSError, io.UnsupportedOperation):
-        size = None
-    if size is None or fd is None:
-        return _read_copy(f, None), True
-    if copy or start % mmap.ALLOCATIONGRANULARITY:
-        return _read_copy(f, max(size - start, 0)), True
-    fixed = os.pread(fd, format.FIXED_NBYTES, start)
-    _, total, _ = format.decode_fixed(fixed, None)
-    if start + total > size:
-        raise SnapshotError(
-            f"truncated snapshot: the header says {total} bytes from offset {start}, the file has {size - start}"
-        )
-    memory = _map_fd(fd, total, start)
-    f.seek(start + total)
-    return memory, arena.is_immutable(fd)
 
 
 def load(
@@ -619,27 +497,18 @@ def load(
             such global and the ``allow=`` that would accept them.
         DeviceError: a storage's target device does not exist here (nothing was built).
     """
-    if isinstance(f, (str, os.PathLike)):
-        memory, stable = _open_path(f, copy)
-    elif hasattr(f, "read"):
-        memory, stable = _open_file(f, copy)  # type: ignore[arg-type]
-    else:
-        raise ArgumentError(f"load() needs a path or a binary file object, not {type(f).__name__}")
+    opened = sources.open_source(f, sources.LOAD, what="load", copy=copy)
     return _load_view(
-        memoryview(memory),
+        opened.view,
         map_location=map_location,
         trusted=trusted,
         allow=allow,
         verify=verify,
         key=key,
-        stable=stable,
+        stable=opened.stable,
         registry=registry,
+        header=opened.header,
     )
-
-
-def _is_aligned(view: memoryview, alignment: int) -> bool:
-    address = arena.buffer_address(view)
-    return address is not None and address % alignment == 0
 
 
 def loads(
@@ -675,47 +544,18 @@ def loads(
         SnapshotError, RestrictedLoadError, DeviceError: as for :func:`load`.
         ArgumentError: ``data`` is not a contiguous buffer, or ``copy=False`` with read-only data.
     """
-    try:
-        view = memoryview(data)
-    except TypeError as e:
-        raise ArgumentError(f"loads() needs a bytes-like object or an mmap, not {type(data).__name__}") from e
-    if not view.c_contiguous:
-        raise ArgumentError("loads() needs a contiguous buffer")
-    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-    zero_copy_possible = not view.readonly and view.nbytes > 0 and _is_aligned(view, 16)
-    if copy is False and not zero_copy_possible:
-        raise ArgumentError(
-            "loads(copy=False) needs a writable, 16-byte-aligned buffer; "
-            + ("data is read-only" if view.readonly else "data is not aligned")
-            + " (pass copy=None to copy it)"
-        )
-    copied = bool(copy or not zero_copy_possible)
-    if copied:
-        if view.nbytes < format.FIXED_NBYTES:
-            format.decode_fixed(view, view.nbytes)  # raises the truncation error
-        memory = arena.anonymous(view.nbytes)
-        memory[:] = view
-        view = memoryview(memory)
+    opened = sources.open_source(data, sources.LOADS, what="loads", copy=copy)
     return _load_view(
-        view,
+        opened.view,
         map_location=map_location,
         trusted=trusted,
         allow=allow,
         verify=verify,
         key=key,
-        stable=copied,
+        stable=opened.stable,
         registry=registry,
+        header=opened.header,
     )
-
-
-def _view_of(f: PathLike | IO[bytes] | bytes | bytearray | memoryview, what: str) -> memoryview:
-    if isinstance(f, (str, os.PathLike)):
-        return memoryview(_open_path(f, copy=False)[0])
-    if isinstance(f, (bytes, bytearray, memoryview, mmap.mmap)):
-        return memoryview(f).cast("B")
-    if hasattr(f, "read"):
-        return memoryview(_open_file(f, copy=False)[0])  # type: ignore[arg-type]
-    raise ArgumentError(f"{what}() needs a path, a file object or bytes, not {type(f).__name__}")
 
 
 def read_header(f: PathLike | IO[bytes] | bytes | bytearray | memoryview) -> format.Header:
@@ -727,7 +567,7 @@ def read_header(f: PathLike | IO[bytes] | bytes | bytearray | memoryview) -> for
     Raises:
         SnapshotError: the snapshot is malformed.
     """
-    return _header_of(_view_of(f, "read_header"))
+    return sources.open_source(f, sources.INSPECT, what="read_header").header
 
 
 def scan(f: PathLike | IO[bytes] | bytes | bytearray | memoryview) -> tuple[tuple[str, str], ...]:
@@ -743,8 +583,7 @@ def scan(f: PathLike | IO[bytes] | bytes | bytearray | memoryview) -> tuple[tupl
     Raises:
         SnapshotError: the snapshot is malformed.
     """
-    view = _view_of(f, "scan")
-    header = _header_of(view)
+    view, _, header = sources.open_source(f, sources.INSPECT, what="scan")
     return scan_stream(view[header.stream_offset : header.stream_offset + header.stream_nbytes])
 
 
@@ -797,12 +636,7 @@ class Snapshot:
         size = arena.regular_file_size(fd)
         if size is None:
             raise SnapshotError("the fd is not a regular file or memfd: a snapshot must be mappable")
-        if size < format.FIXED_NBYTES:
-            format.decode_fixed(b"", size)
-        fixed = os.pread(fd, format.FIXED_NBYTES, 0)
-        header_nbytes, _, _ = format.decode_fixed(fixed, size)
-        blob = os.pread(fd, header_nbytes, format.FIXED_NBYTES)
-        self.header = format.decode_header(fixed, blob, size)
+        self.header = sources.read_header(sources.at_fd(fd), size)
         self.nbytes = size
         self._fd = fd
         self._trusted = trusted
@@ -925,18 +759,19 @@ class Snapshot:
                 f"the snapshot file changed size since it was opened ({self.nbytes} -> {size} bytes); "
                 f"somebody rewrote it in place - reopen it"
             )
-        memory = arena.map_private(fd, self.nbytes)
+        opened = sources.open_source(fd, sources.FD, what="Snapshot.load")
         if trusted is None and self._trusted:
             trusted = True
         return _load_view(
-            memoryview(memory),
+            opened.view,
             map_location=map_location,
             trusted=trusted,
             allow=allow,
             verify=verify,
             key=key,
-            stable=arena.is_immutable(fd),
+            stable=opened.stable,
             registry=registry,
+            header=opened.header,
         )
 
     def close(self) -> None:

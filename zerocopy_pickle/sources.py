@@ -1,0 +1,308 @@
+"""Internal: where a snapshot's bytes come from. :func:`open_source` turns any source a load or an inspection is
+given (a path, a binary file object, a bytes-like object or ``mmap``, a file descriptor) into an :class:`Opened`
+snapshot: a view of every byte of it, whether those bytes can still change, and its decoded header.
+:func:`read_header` is the one reader of a header, given a way to read bytes at an offset (:func:`at_view`,
+:func:`at_fd`); :func:`claimed_nbytes` is its first half, for a reader that must learn the snapshot's length from
+its fixed header before it has the rest.
+
+How each source is opened (``docs/design.md``, Load):
+
+* a path: a regular file is mapped ``MAP_PRIVATE``; anything else (a FIFO, a character device), or any file with
+  ``copy=True``, is read into private anonymous memory, and bytes after the snapshot are an error;
+* a file object: mapped only when it is exactly ``io.BufferedReader``, ``io.BufferedRandom`` or ``io.FileIO`` over a
+  regular file, at a position aligned to the allocation granularity; anything else is read through its ``read``
+  into private memory that grows with what arrives, never beyond it;
+* a bytes-like object (for a load): zero-copy when it is writable and 16-byte aligned, else copied once into
+  private memory; for an inspection it is only looked at;
+* a file descriptor: mapped ``MAP_PRIVATE`` at its current size.
+
+``stable`` says that nobody can change the bytes behind the view any more (private memory, a sealed memfd): a
+verified load then checks buffers in place instead of copying them.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import stat
+from collections.abc import Callable
+from typing import BinaryIO, Literal, NamedTuple, Union
+
+from . import arena, format
+from .errors import ArgumentError, SnapshotError
+
+__all__ = [
+    "FD",
+    "INSPECT",
+    "LOAD",
+    "LOADS",
+    "Accepts",
+    "Opened",
+    "ReadAt",
+    "at_fd",
+    "at_view",
+    "claimed_nbytes",
+    "open_source",
+    "read_header",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+ReadAt = Callable[[int, int], bytes | memoryview]
+"""``read(offset, nbytes)``: up to ``nbytes`` of the snapshot's bytes from ``offset`` (fewer only at its end)."""
+
+
+def at_view(view: bytes | memoryview) -> ReadAt:
+    """Read from a view of the snapshot (slices: nothing is copied)."""
+    return lambda offset, nbytes: view[offset : offset + nbytes]
+
+
+def at_fd(fd: int, start: int = 0) -> ReadAt:
+    """Read from ``fd`` with ``pread``, the snapshot beginning at ``start`` (the fd's position is not used)."""
+    return lambda offset, nbytes: os.pread(fd, nbytes, start + offset)
+
+
+def claimed_nbytes(read: ReadAt) -> int:
+    """The snapshot's total length as its fixed header claims it, the fixed header validated (magic, version,
+    flags, header length); nothing says yet that the bytes are there.
+
+    Raises:
+        SnapshotError: fewer than 32 bytes, or a malformed fixed header.
+    """
+    _, total, _ = format.decode_fixed(read(0, format.FIXED_NBYTES), None)
+    return total
+
+
+def read_header(read: ReadAt, nbytes: int | None) -> format.Header:
+    """Read and validate a snapshot's header: the fixed header first (its header length is checked before that
+    many bytes are read), then the JSON header; ``nbytes`` is the snapshot's real length when known.
+
+    Raises:
+        SnapshotError: the header is malformed, or disagrees with ``nbytes``.
+    """
+    fixed = read(0, format.FIXED_NBYTES)
+    header_nbytes, _, _ = format.decode_fixed(fixed, nbytes)
+    return format.decode_header(fixed, read(format.FIXED_NBYTES, header_nbytes), nbytes)
+
+
+class Opened(NamedTuple):
+    """An opened snapshot."""
+
+    view: memoryview
+    """Every byte of the snapshot, one-dimensional; it holds the memory (a mapping, private memory, the caller's
+    buffer) alive."""
+    stable: bool
+    """Nobody can change the bytes behind :attr:`view` any more (private memory, a sealed memfd)."""
+    header: format.Header
+    """The header, decoded from :attr:`view`."""
+
+
+Kind = Literal["path", "file", "buffer", "bytes", "fd"]
+
+
+class Accepts(NamedTuple):
+    """The kinds of source a caller takes, in the order they are tried, and how its refusal names them."""
+
+    kinds: tuple[Kind, ...]
+    needs: str
+
+
+LOAD = Accepts(("path", "file"), "a path or a binary file object")
+LOADS = Accepts(("buffer",), "a bytes-like object or an mmap")
+INSPECT = Accepts(("path", "bytes", "file"), "a path, a file object or bytes")
+FD = Accepts(("fd",), "a file descriptor")
+
+
+def open_source(source: object, accepts: Accepts, *, what: str, copy: bool | None = False) -> Opened:
+    """Open ``source`` as the kinds ``accepts`` names allow, and decode its header.
+
+    Args:
+        source: a path (``"path"``), a binary file object (``"file"``: anything with ``read``), any buffer
+            (``"buffer"``: a load's bytes-like object or ``mmap``), exactly ``bytes``, ``bytearray``,
+            ``memoryview`` or ``mmap`` (``"bytes"``: looked at as they are, never copied), an fd (``"fd"``).
+        accepts: the kinds the caller takes (``LOAD``, ``LOADS``, ``INSPECT``, ``FD``).
+        what: the public function's name, for error messages.
+        copy: paths and files: True reads them into private memory instead of mapping them. Buffers: True always
+            copies; False never does (and refuses read-only or unaligned data); None copies only when zero-copy
+            is impossible.
+
+    Raises:
+        ArgumentError: ``source`` is none of the kinds, or a buffer it cannot use.
+        SnapshotError: the snapshot is malformed or truncated.
+    """
+    for kind in accepts.kinds:
+        if kind == "path" and isinstance(source, (str, os.PathLike)):
+            memory, stable = _open_path(source, bool(copy))
+            view = memoryview(memory)
+        elif kind == "file" and hasattr(source, "read"):
+            memory, stable = _open_file(source, bool(copy))  # type: ignore[arg-type]
+            view = memoryview(memory)
+        elif kind == "bytes" and isinstance(source, (bytes, bytearray, memoryview, mmap.mmap)):
+            view, stable = memoryview(source).cast("B"), False
+        elif kind == "buffer":
+            view, stable = _open_buffer(source, copy, what, accepts.needs)
+        elif kind == "fd" and isinstance(source, int):
+            memory, stable = _open_fd(source)
+            view = memoryview(memory)
+        else:
+            continue
+        return Opened(view, stable, read_header(at_view(view), view.nbytes))
+    raise ArgumentError(f"{what}() needs {accepts.needs}, not {type(source).__name__}")
+
+
+def _open_buffer(data: object, copy: bool | None, what: str, needs: str) -> tuple[memoryview, bool]:
+    """A load's view of a bytes-like object: the object itself when zero-copy is possible (writable, 16-byte
+    aligned) and not refused, else a private copy (``stable``)."""
+    try:
+        view = memoryview(data)  # type: ignore[arg-type]
+    except TypeError as e:
+        raise ArgumentError(f"{what}() needs {needs}, not {type(data).__name__}") from e
+    if not view.c_contiguous:
+        raise ArgumentError(f"{what}() needs a contiguous buffer")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    zero_copy_possible = not view.readonly and view.nbytes > 0 and _is_aligned(view, 16)
+    if copy is False and not zero_copy_possible:
+        raise ArgumentError(
+            f"{what}(copy=False) needs a writable, 16-byte-aligned buffer; "
+            + ("data is read-only" if view.readonly else "data is not aligned")
+            + " (pass copy=None to copy it)"
+        )
+    copied = bool(copy or not zero_copy_possible)
+    if copied:
+        if view.nbytes < format.FIXED_NBYTES:
+            format.decode_fixed(view, view.nbytes)  # raises the truncation error
+        memory = arena.anonymous(view.nbytes)
+        memory[:] = view
+        view = memoryview(memory)
+    return view, copied
+
+
+def _is_aligned(view: memoryview, alignment: int) -> bool:
+    address = arena.buffer_address(view)
+    return address is not None and address % alignment == 0
+
+
+def _open_fd(fd: int) -> tuple[mmap.mmap, bool]:
+    """``fd`` mapped at its current size, and whether it is immutable (a sealed memfd)."""
+    size = arena.regular_file_size(fd)
+    if size is None:
+        raise SnapshotError("the fd is not a regular file or memfd: a snapshot must be mappable")
+    return _map_fd(fd, size), arena.is_immutable(fd)
+
+
+def _map_fd(fd: int, nbytes: int, offset: int = 0) -> mmap.mmap:
+    if nbytes < format.FIXED_NBYTES:
+        raise SnapshotError(
+            f"truncated snapshot: {nbytes} bytes, but the fixed header alone is {format.FIXED_NBYTES} bytes"
+        )
+    if offset:
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+    return arena.map_private(fd, nbytes)
+
+
+_FIRST_READ = 1 << 20
+"""How much private memory a copying read reserves before the input has delivered anything beyond the header."""
+
+
+def _read_copy(f: BinaryIO, available: int | None = None) -> mmap.mmap:
+    """Read one snapshot from the current position of ``f`` into private anonymous memory.
+
+    The fixed header's total length is only a claim: memory grows with what the input delivers (doubling from
+    1 MiB, up to the claim), so a header that declares a terabyte and then ends costs what arrived, and is a
+    truncation error. ``available``, when known (a regular file's size past the position), is checked against
+    the claim before anything is reserved.
+    """
+    try:
+        return _read_growing(f, available)
+    except BlockingIOError as e:
+        raise SnapshotError(f"{e.strerror}: pass a blocking file object (or read the snapshot first)") from None
+
+
+def _read_growing(f: BinaryIO, available: int | None) -> mmap.mmap:
+    head = bytearray(format.FIXED_NBYTES)
+    got = arena.read_exact_into(f, memoryview(head))  # a pipe may deliver the 32 bytes in pieces
+    total = claimed_nbytes(at_view(bytes(head[:got])))
+    if available is not None and total > available:
+        raise SnapshotError(f"truncated snapshot: the header says {total} bytes, the file holds {available}")
+    capacity = min(total, _FIRST_READ)  # even a file's size is only what it claims to hold (it may be sparse)
+    memory = arena.anonymous(capacity)
+    memory[:got] = head
+    while True:
+        view = memoryview(memory)
+        try:
+            n = arena.read_exact_into(f, view[got:capacity])
+        finally:
+            view.release()  # no export may outlive this pass: resize needs none
+        got += n
+        if got < capacity or capacity == total:
+            break
+        capacity = min(total, 2 * capacity)
+        memory.resize(capacity)  # mremap: the pages move, nothing is copied
+    if got != total:
+        memory.close()
+        raise SnapshotError(f"truncated snapshot: the header says {total} bytes, the input ended after {got}")
+    return memory
+
+
+def _open_path(path: PathLike, copy: bool) -> tuple[mmap.mmap, bool]:
+    """The snapshot at ``path``, mapped or read, and whether its bytes can no longer change (read into private
+    memory, or a sealed memfd) rather than a mapping of a file someone could rewrite."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise SnapshotError(f"{os.fspath(path)!r} is a directory, not a snapshot")
+        size = st.st_size if stat.S_ISREG(st.st_mode) else None
+        if size is None or copy:
+            with os.fdopen(os.dup(fd), "rb", buffering=0) as raw:
+                memory = _read_copy(raw, size)
+                if raw.read(1):
+                    raise SnapshotError(f"trailing bytes after the {len(memory)}-byte snapshot in {path!r}")
+                return memory, True
+        return _map_fd(fd, size), arena.is_immutable(fd)
+    finally:
+        os.close(fd)
+
+
+_MAPPABLE_BUFFERED = (io.BufferedReader, io.BufferedRandom)
+
+
+def _mappable_fd(f: BinaryIO) -> int | None:
+    """The fd behind ``f`` when the bytes ``f`` returns are exactly that fd's bytes from ``f.tell()`` on: a plain
+    ``open(path, "rb")`` (or ``"r+b"``, or unbuffered) file object, of exactly the standard classes. Anything
+    else (``gzip``/``bz2``/``lzma`` files, whose ``fileno()`` is the compressed file's; ``BytesIO``; wrappers and
+    subclasses that may transform what they read) is read through its ``read``, never mapped."""
+    cls = type(f)
+    if cls in _MAPPABLE_BUFFERED:
+        if type(getattr(f, "raw", None)) is not io.FileIO:
+            return None
+    elif cls is not io.FileIO:
+        return None
+    try:
+        return f.fileno()
+    except (OSError, ValueError):
+        return None
+
+
+def _open_file(f: BinaryIO, copy: bool) -> tuple[mmap.mmap, bool]:
+    """Map a snapshot at the current position of an open file, or read it when that is not possible; and
+    whether its bytes can no longer change (as for :func:`_open_path`)."""
+    fd = _mappable_fd(f)
+    try:
+        size = None if fd is None else arena.regular_file_size(fd)
+        start = f.tell() if size is not None else 0
+    except (OSError, io.UnsupportedOperation):
+        size = None
+    if size is None or fd is None:
+        return _read_copy(f, None), True
+    if copy or start % mmap.ALLOCATIONGRANULARITY:
+        return _read_copy(f, max(size - start, 0)), True
+    total = claimed_nbytes(at_fd(fd, start))
+    if start + total > size:
+        raise SnapshotError(
+            f"truncated snapshot: the header says {total} bytes from offset {start}, the file has {size - start}"
+        )
+    memory = _map_fd(fd, total, start)
+    f.seek(start + total)
+    return memory, arena.is_immutable(fd)
