@@ -7,6 +7,7 @@ import ctypes
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -102,9 +103,52 @@ def test_observer_sees_every_chunk_in_order_before_it_is_written(tmp_path: Path)
         assert os.pread(fd, len(piece), 10) == piece
     finally:
         os.close(fd)
-    assert [(i, n) for i, n, _ in seen] == [(0, arena.WRITE_CHUNK), (0, arena.WRITE_CHUNK), (0, 1), (1, 0)]
-    starts = [0, arena.WRITE_CHUNK, 2 * arena.WRITE_CHUNK]
+    # Chunks end at multiples of WRITE_CHUNK in the file: the piece starts at offset 10.
+    w = arena.WRITE_CHUNK
+    assert [(i, n) for i, n, _ in seen] == [(0, w - 10), (0, w), (0, 11), (1, 0)]
+    starts = [0, w - 10, 2 * w - 10]  # where each chunk begins within the piece
     assert all(in_file <= start for (_, _, in_file), start in zip(seen, starts, strict=False))
+
+
+def test_each_aligned_window_of_contiguous_buffers_is_written_by_one_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Buffers laid out back to back (small alignment gaps) at unaligned offsets: every pwrite(v) covers at most one
+    WRITE_CHUNK-aligned window, and each window the buffers cover whole is covered by exactly one call, so the page
+    cache can build it from folios of the window's size (one page fault per window when a load maps it)."""
+    w = arena.WRITE_CHUNK
+    sizes = [w // 3 + 17, w + 5, 64, 3 * w // 2, w - 1, 2 * w + 100]
+    placed, at = [], 4096 + 40
+    for size in sizes:
+        placed.append((at, os.urandom(size)))
+        at = (at + size + 63) // 64 * 64  # 64-byte alignment: gaps under a page
+    # A gap of 300 bytes that a window boundary cuts, then a buffer that fills the next window whole.
+    placed += [(at, os.urandom(8 * w - 100 - at)), (8 * w + 200, os.urandom(w + 4000))]
+    calls: list[tuple[int, int]] = []
+    pwrite, pwritev = os.pwrite, os.pwritev
+
+    def record_pwrite(fd: int, data: Any, offset: int) -> int:
+        calls.append((offset, memoryview(data).nbytes))
+        return pwrite(fd, data, offset)
+
+    def record_pwritev(fd: int, views: Any, offset: int) -> int:
+        calls.append((offset, sum(memoryview(v).nbytes for v in views)))
+        return pwritev(fd, views, offset)
+
+    monkeypatch.setattr(os, "pwrite", record_pwrite)
+    monkeypatch.setattr(os, "pwritev", record_pwritev)
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        arena.write_placed(fd, placed)
+        for offset, data in placed:
+            assert os.pread(fd, len(data), offset) == data
+    finally:
+        os.close(fd)
+    for offset, nbytes in calls:
+        assert offset // w == (offset + nbytes - 1) // w, (offset, nbytes)  # inside one window
+    first, last = placed[0][0], placed[-1][0] + len(placed[-1][1])
+    for window in range(-(-first // w), last // w):  # the windows the buffers cover whole
+        assert (window * w, w) in calls, window
 
 
 def test_short_writes_are_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

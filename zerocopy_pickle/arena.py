@@ -139,7 +139,8 @@ def write_placed(
 ) -> None:
     """Write each ``(offset, piece)`` at its offset of ``fd`` (``pwrite``; the file position is not used).
 
-    Pieces are written in chunks of at most :data:`WRITE_CHUNK` bytes, in order; small neighbours share one
+    Pieces are written in chunks of at most :data:`WRITE_CHUNK` bytes that end at file offsets which are multiples
+    of it (so that each aligned window of the file is filled by one call), in order; small neighbours share one
     ``pwritev`` (with the zero padding between them, when the gap is shorter than a page), and larger gaps are
     skipped: after :func:`preallocate` they read as zeros. ``observe(i, chunk)``, if given, sees every chunk of
     piece ``i`` (in order, an empty piece as one empty chunk) just before it is written, while it is still in
@@ -154,12 +155,23 @@ def write_placed(
         view = memoryview(piece).cast("B")
         at = 0
         while True:
-            chunk = view[at : at + WRITE_CHUNK]
+            # Chunks end at file offsets that are multiples of WRITE_CHUNK, and a batch is written when it reaches
+            # one: each aligned 2 MiB window of a file of contiguous buffers is then filled by one call, and the
+            # page cache builds it from PMD-sized folios, which a load maps with one fault per 2 MiB. Chunks cut at
+            # the buffers' own (unaligned) offsets left small folios: 6x the page faults on every load.
+            position = offset + at
+            chunk = view[at : at + WRITE_CHUNK - position % WRITE_CHUNK]
             if observe is not None:
                 observe(index, chunk)
             if chunk.nbytes:
-                position = offset + at
                 gap = position - end
+                if batch and 0 < gap < len(_ZEROS) and end // WRITE_CHUNK != position // WRITE_CHUNK:
+                    # The padding crosses a window boundary: close this window with zeros, open the next with zeros.
+                    boundary = position - position % WRITE_CHUNK
+                    batch.append(_ZEROS[: boundary - end])
+                    _pwrite_all(fd, batch, start)
+                    batch = [_ZEROS[: position - boundary]] if position > boundary else []
+                    start, end, gap = boundary, position, 0
                 if batch and (gap < 0 or gap >= len(_ZEROS) or len(batch) >= _IOV_MAX - 1):
                     _pwrite_all(fd, batch, start)
                     batch = []
@@ -169,7 +181,7 @@ def write_placed(
                     batch.append(_ZEROS[:gap])
                 batch.append(chunk)
                 end = position + chunk.nbytes
-                if end - start >= WRITE_CHUNK:
+                if end % WRITE_CHUNK == 0 or end - start >= WRITE_CHUNK:
                     _pwrite_all(fd, batch, start)
                     batch = []
             at += chunk.nbytes
