@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+from ..registry import default_registry
 from .client import cached_call
 from .points import DEFAULT_PATCH_POINTS, all_patch_points
 
@@ -99,7 +100,8 @@ _finder = _PatchOnImport()
 
 
 def patch_all(points: Sequence[str] | None = None, *, autostart: bool = True) -> list[str]:
-    """Route every patch point through the cache (now, or when its module is first imported).
+    """Route every patch point through the cache (now, or when its module is first imported). Also loads the
+    installed plugins (entry-point discovery), which every routed call needs to pickle its arguments.
 
     Args:
         points: the patch points; default: :data:`DEFAULT_PATCH_POINTS` and those installed packages declare
@@ -111,6 +113,10 @@ def patch_all(points: Sequence[str] | None = None, *, autostart: bool = True) ->
     """
     if points is None:
         points = all_patch_points()
+    # Every routed call pickles its arguments for the key, which needs the plugins' reducers: load them now, while
+    # the program sets up, rather than on the clock of its first model load (entry-point discovery imports every
+    # plugin's registration module: tens of milliseconds).
+    default_registry().ensure_discovered()
     with _lock:
         _options["autostart"] = autostart
         for point in points:
