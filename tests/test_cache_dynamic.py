@@ -28,28 +28,9 @@ SOURCES = Path(__file__).with_name("fixtures") / "dynamic_modules"
 
 # Writes the two local repositories' configs and weights (the code is in tests/fixtures/dynamic_modules).
 SETUP = """
-import json, os, sys
-import torch
-from safetensors.torch import save_file
-root = sys.argv[1]
-torch.manual_seed(0)
-model_dir = os.path.join(root, "tiny-remote-model")
-with open(os.path.join(model_dir, "config.json"), "w") as f:
-    json.dump({"model_type": "zcp-tiny", "vocab_size": 16, "hidden_size": 8, "auto_map": {
-        "AutoConfig": "configuration_tiny.TinyConfig", "AutoModel": "modeling_tiny.TinyModel"}}, f)
-save_file({"embed.weight": torch.randn(16, 8), "proj.weight": torch.randn(8, 8), "proj.bias": torch.randn(8)},
-          os.path.join(model_dir, "model.safetensors"))
-pipe_dir = os.path.join(root, "tiny-pipeline")
-os.makedirs(os.path.join(pipe_dir, "scheduler"))
-with open(os.path.join(pipe_dir, "model_index.json"), "w") as f:
-    json.dump({"_class_name": ["my_pipeline", "TinyPipeline"], "_diffusers_version": "0.42.1",
-               "unet": ["my_unet", "TinyUNet"], "scheduler": ["diffusers", "DDIMScheduler"]}, f)
-with open(os.path.join(pipe_dir, "unet", "config.json"), "w") as f:
-    json.dump({"_class_name": "TinyUNet", "_diffusers_version": "0.42.1", "channels": 4}, f)
-save_file({"mix.weight": torch.randn(4, 4), "mix.bias": torch.randn(4)},
-          os.path.join(pipe_dir, "unet", "diffusion_pytorch_model.safetensors"))
-with open(os.path.join(pipe_dir, "scheduler", "scheduler_config.json"), "w") as f:
-    json.dump({"_class_name": "DDIMScheduler", "_diffusers_version": "0.42.1", "clip_sample": False}, f)
+import sys
+from tests.dynamic_repos import write_repositories
+write_repositories(sys.argv[1])
 print("{}")
 """
 
