@@ -105,7 +105,13 @@ def cpu_seconds() -> float:
 
 
 def bench(state: dict[str, torch.Tensor], directory: str, repeat: int, skip: set[str]) -> Samples:
-    table = {k: m for k, m in methods(state).items() if k not in skip}
+    return time_interleaved({k: m for k, m in methods(state).items() if k not in skip}, directory, repeat)
+
+
+def time_interleaved(table: dict[str, Callable[[str], object]], directory: str, repeat: int) -> Samples:
+    """Call every ``table[key](path)`` ``repeat`` times, rotating the order each round, each into a new file in
+    ``directory`` (the previous one deleted, ``gc.collect()`` and ``os.sync()`` first, outside the timer); wall and
+    CPU seconds per call. Also used by ``dump_variants.py``."""
     keys = list(table)
     samples: Samples = {k: {"wall": [], "cpu": []} for k in keys}
     for rep in range(repeat):

@@ -29,20 +29,18 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import os
-import resource
 import shutil
 import statistics
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import xxhash
+from dump import time_interleaved  # benchmarks/ is sys.path[0] when run as a script
 
 import zerocopy_pickle as zp
 
@@ -137,11 +135,6 @@ def variants(state: dict[str, torch.Tensor]) -> dict[str, Callable[[str], object
     return table
 
 
-def cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tensors", type=int, default=250, help="float32 tensors of 2 MiB each")
@@ -159,27 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys = keys or list(table)
     os.makedirs(args.dir, exist_ok=True)
     directory = tempfile.mkdtemp(prefix="variants-", dir=args.dir)
-    wall: dict[str, list[float]] = {k: [] for k in keys}
-    cpu: dict[str, list[float]] = {k: [] for k in keys}
     try:
-        for rep in range(args.repeat):
-            k0 = rep % len(keys)
-            for key in keys[k0:] + keys[:k0]:
-                path = os.path.join(directory, f"{key}.out")
-                if os.path.exists(path):
-                    os.unlink(path)
-                gc.collect()
-                os.sync()
-                c, t = cpu_seconds(), time.perf_counter()
-                table[key](path)
-                wall[key].append(time.perf_counter() - t)
-                cpu[key].append(cpu_seconds() - c)
+        samples = time_interleaved({k: table[k] for k in keys}, directory, args.repeat)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print(f"{args.tensors} x 2 MiB float32 ({args.tensors * 2} MiB), medians of {args.repeat}, {os.cpu_count()} CPUs")
     print(f"  {'variant':<22} {'wall s':>7} {'min':>7} {'cpu s':>7} {'min':>7}")
     for key in keys:
-        ws, cs = wall[key], cpu[key]
+        ws, cs = samples[key]["wall"], samples[key]["cpu"]
         print(f"  {key:<22} {statistics.median(ws):7.3f} {min(ws):7.3f} {statistics.median(cs):7.3f} {min(cs):7.3f}")
     return 0
 
