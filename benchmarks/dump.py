@@ -104,17 +104,32 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def bench(state: dict[str, torch.Tensor], directory: str, repeat: int, skip: set[str]) -> Samples:
-    return time_interleaved({k: m for k, m in methods(state).items() if k not in skip}, directory, repeat)
+def bench(
+    state: dict[str, torch.Tensor], directory: str, repeat: int, skip: set[str], drop_caches: bool = False
+) -> Samples:
+    table = {k: m for k, m in methods(state).items() if k not in skip}
+    return time_interleaved(table, directory, repeat, drop_caches)
 
 
-def time_interleaved(table: dict[str, Callable[[str], object]], directory: str, repeat: int) -> Samples:
-    """Call every ``table[key](path)`` ``repeat`` times, rotating the order each round, each into a new file in
-    ``directory`` (the previous one deleted, ``gc.collect()`` and ``os.sync()`` first, outside the timer); wall and
-    CPU seconds per call. Also used by ``dump_variants.py``."""
+def drop_page_cache() -> None:
+    """Write back and drop the kernel's clean page cache (needs root): every dump then starts with the same
+    amount of free memory, whatever the previous one left cached."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def time_interleaved(
+    table: dict[str, Callable[[str], object]], directory: str, repeat: int, drop_caches: bool = False
+) -> Samples:
+    """Call every ``table[key](path)`` once untimed (the first writes after the workload was built are the
+    slowest here, whichever method makes them), then ``repeat`` times, rotating the order each round, each into a
+    new file in ``directory`` (the previous one deleted, ``gc.collect()`` and ``os.sync()`` first, and with
+    ``drop_caches`` the page cache dropped, all outside the timer); wall and CPU seconds per call. Also used by
+    ``dump_variants.py``."""
     keys = list(table)
     samples: Samples = {k: {"wall": [], "cpu": []} for k in keys}
-    for rep in range(repeat):
+    for rep in range(-1, repeat):  # round -1 warms up and is not counted
         k0 = rep % len(keys)
         for key in keys[k0:] + keys[:k0]:
             path = os.path.join(directory, f"{key}.out")
@@ -122,10 +137,13 @@ def time_interleaved(table: dict[str, Callable[[str], object]], directory: str, 
                 os.unlink(path)
             gc.collect()
             os.sync()
+            if drop_caches:
+                drop_page_cache()
             cpu, start = cpu_seconds(), time.perf_counter()
             table[key](path)
-            samples[key]["wall"].append(time.perf_counter() - start)
-            samples[key]["cpu"].append(cpu_seconds() - cpu)
+            if rep >= 0:
+                samples[key]["wall"].append(time.perf_counter() - start)
+                samples[key]["cpu"].append(cpu_seconds() - cpu)
     for key in keys:
         path = os.path.join(directory, f"{key}.out")
         if os.path.exists(path):
@@ -152,6 +170,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--skip", default="", help="methods to leave out, comma-separated (zp, zp-nock, ...)")
     p.add_argument("--dir", default=str(REPO / "benchmarks" / "out"), help="where the files are written")
+    p.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="drop the page cache before every timed dump (needs root; steadier figures where the kernel "
+        "reclaims memory in the background)",
+    )
     return p.parse_args(argv)
 
 
@@ -163,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"python {platform.python_version()}, torch {torch.__version__}, zerocopy_pickle {zp.__version__}, "
         f"{os.cpu_count()} CPUs, kernel {platform.release()}, files in {directory}; medians of {args.repeat}"
+        + ("; page cache dropped before every dump" if args.drop_caches else "")
     )
     try:
         workloads = []
@@ -175,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             nbytes = sum(t.nbytes for t in state.values())
             workloads.append((f"model state dict: {len(state)} tensors, {nbytes / MiB:.0f} MiB", state))
         for title, state in workloads:
-            report(title, bench(state, directory, args.repeat, skip))
+            report(title, bench(state, directory, args.repeat, skip, args.drop_caches))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return 0

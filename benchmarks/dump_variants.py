@@ -22,7 +22,8 @@ checksums computed first, into an ``O_TMPFILE`` file of no preset size; ``zp``: 
 (to a path, renamed into place); ``safetensors``: ``save_file``.
 
 Columns: medians and minimums of wall time and of process CPU time (user + system, all threads) over
-``--repeat`` runs, interleaved and rotated; ``os.sync()`` and ``gc.collect()`` before each timed run.
+``--repeat`` runs, interleaved and rotated; ``os.sync()`` and ``gc.collect()`` before each timed run (and with
+``--drop-caches``, the page cache dropped).
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated substrings; a variant runs if its name has all")
     p.add_argument("--names", default="", help="comma-separated variant names to add to those --only selects")
     p.add_argument("--dir", default=str(REPO / "benchmarks" / "out"))
+    p.add_argument("--drop-caches", action="store_true", help="drop the page cache before every run (needs root)")
     args = p.parse_args(argv)
     seed = torch.randn(MiB // 2, generator=torch.Generator().manual_seed(0))
     state = {f"t.{i}": seed + i for i in range(args.tensors)}
@@ -153,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(args.dir, exist_ok=True)
     directory = tempfile.mkdtemp(prefix="variants-", dir=args.dir)
     try:
-        samples = time_interleaved({k: table[k] for k in keys}, directory, args.repeat)
+        samples = time_interleaved({k: table[k] for k in keys}, directory, args.repeat, args.drop_caches)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print(f"{args.tensors} x 2 MiB float32 ({args.tensors * 2} MiB), medians of {args.repeat}, {os.cpu_count()} CPUs")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -68,7 +70,14 @@ def test_dump_over_a_larger_snapshot_leaves_nothing_of_it(tmp_path: Path) -> Non
     assert path.read_bytes() == zp.dumps(small)
 
 
-def test_checksums_computed_while_writing_are_the_checksums(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cpus", [1, 2], ids=["same-thread", "hashing-thread"])
+def test_checksums_computed_while_writing_are_the_checksums(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int
+) -> None:
+    # Both ways of hashing: in the writing thread (one CPU), and in a second thread (every size counts as large).
+    monkeypatch.setattr(integrity, "_usable_cpus", lambda: cpus)
+    monkeypatch.setattr(integrity, "PARALLEL_HASH_MIN_NBYTES", 0)
+    monkeypatch.setattr(integrity, "_HASH_SLICE", 4096 + 3)  # slices that do not divide the buffers
     buffers = [b"", os.urandom(100), os.urandom(2 * arena.WRITE_CHUNK + 5), bytearray(os.urandom(4096))]
     placed = []
     offset = 0
@@ -88,6 +97,51 @@ def test_checksums_computed_while_writing_are_the_checksums(tmp_path: Path) -> N
     for at, b in placed:
         expected[at : at + len(b)] = b
     assert data == expected
+
+
+def test_a_failed_write_stops_the_hashing_thread_and_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(integrity, "_usable_cpus", lambda: 2)
+    monkeypatch.setattr(integrity, "PARALLEL_HASH_MIN_NBYTES", 0)
+    monkeypatch.setattr(integrity, "_HASH_SLICE", 4096)
+    events: list[threading.Event] = []
+
+    class RecordingEvent(threading.Event):  # the writer's stop signal, so the hashing thread can wait for it
+        def __init__(self) -> None:
+            super().__init__()
+            events.append(self)
+
+    monkeypatch.setattr(integrity, "threading", SimpleNamespace(Event=RecordingEvent, Thread=threading.Thread))
+    started = threading.Event()
+    hashed: list[int] = []
+    real = integrity._xxh3()
+
+    class Hasher:  # takes its first slice, then holds the thread until the writer has signalled a stop
+        def __init__(self) -> None:
+            self._h = real.xxh3_64()
+
+        def update(self, data: Any) -> None:
+            hashed.append(len(data))
+            started.set()
+            events[0].wait(5 if len(hashed) == 1 else 0)  # without a stop signal, every slice gets hashed
+            self._h.update(data)
+
+        def hexdigest(self) -> str:
+            return str(self._h.hexdigest())
+
+    monkeypatch.setattr(integrity, "_xxh3", lambda: SimpleNamespace(xxh3_64=Hasher))
+
+    def failing_write(fd: int, placed: object, **kwargs: object) -> None:
+        assert started.wait(5)
+        raise OSError(errno.ENOSPC, "no space left")
+
+    monkeypatch.setattr(arena, "write_placed", failing_write)
+    buffers = [os.urandom(64 * 4096) for _ in range(64)]
+    before = threading.active_count()
+    with pytest.raises(OSError) as info:
+        integrity.write_checksummed(-1, [(i * 64 * 4096, b) for i, b in enumerate(buffers)])
+    assert info.value.errno == errno.ENOSPC
+    assert threading.active_count() == before  # joined, not left running
+    assert hashed == [4096]  # it stopped at the next slice
 
 
 def test_observer_sees_every_chunk_in_order_before_it_is_written(tmp_path: Path) -> None:

@@ -92,10 +92,14 @@ def write_pieces(fd: int, pieces: Sequence[Piece]) -> int:
     return total
 
 
-WRITE_CHUNK = 2 << 20
-"""Bytes per ``pwrite``/``pwritev`` of :func:`write_placed` (a 2 MiB huge page): small enough that a chunk an
-observer just read (a checksum) is still in the CPU cache when the kernel copies it; large enough that system
-calls cost nothing next to the copy."""
+WRITE_CHUNK = 1 << 20
+"""Bytes per ``pwrite``/``pwritev`` of :func:`write_placed`, and the alignment of the windows they fill: small
+enough that a chunk an observer just read is still in the CPU cache when the kernel copies it, large enough that
+system calls cost nothing next to the copy, and the size of the page-cache folios the writes leave behind (a load
+maps each with one fault). 1 MiB, not a 2 MiB huge page: on the development VM, 2 MiB folios made the writes
+erratic (a 2000 MiB dump 0.4-8 s, median about 1.1 s, against 0.42-0.45 s in 1 MiB windows; the host backs
+fresh huge blocks of guest memory slowly), for a touch of the loaded pages that 1 MiB folios make only 12 ms per
+2000 MiB slower. See docs/benchmark.md."""
 
 _FALLOC_UNSUPPORTED = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV})
 _TMPFS_MAGIC = 0x01021994
@@ -156,9 +160,9 @@ def write_placed(
         at = 0
         while True:
             # Chunks end at file offsets that are multiples of WRITE_CHUNK, and a batch is written when it reaches
-            # one: each aligned 2 MiB window of a file of contiguous buffers is then filled by one call, and the
-            # page cache builds it from PMD-sized folios, which a load maps with one fault per 2 MiB. Chunks cut at
-            # the buffers' own (unaligned) offsets left small folios: 6x the page faults on every load.
+            # one: each aligned window of a file of contiguous buffers is then filled by one call, and the page
+            # cache builds it from folios of that size, which a load maps with one fault each. Chunks cut at the
+            # buffers' own (unaligned) offsets left small folios: 6x the page faults on every load.
             position = offset + at
             chunk = view[at : at + WRITE_CHUNK - position % WRITE_CHUNK]
             if observe is not None:
