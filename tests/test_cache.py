@@ -275,8 +275,9 @@ def test_server_killed_mid_request_clients_fall_back(
     server: ServerProcess, models: dict[str, str], tmp_path: Path
 ) -> None:
     code = """
-import json, sys, warnings, torch
+import json, os, sys, warnings, torch
 warnings.simplefilter("always")
+os.environ["ZEROCOPY_PICKLE_CACHE_FILL"] = "server"  # the miss loads in the server's loader
 from zerocopy_pickle import cache
 cache.patch_all(["tests.cache_helpers:gated_load"], autostart=False)
 from tests import cache_helpers
@@ -315,8 +316,9 @@ def test_no_server_loads_directly_and_warns_once(models: dict[str, str]) -> None
 
 def test_loader_crash_is_reported_and_the_server_stays_up(server: ServerProcess, models: dict[str, str]) -> None:
     code = """
-import json, sys, warnings, torch
+import json, os, sys, warnings, torch
 warnings.simplefilter("always")
+os.environ["ZEROCOPY_PICKLE_CACHE_FILL"] = "server"  # the miss loads in the server's loader
 from zerocopy_pickle import cache
 cache.patch_all(["tests.cache_helpers:crash_in_loader"], autostart=False)
 from tests import cache_helpers

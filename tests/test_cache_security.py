@@ -63,10 +63,11 @@ def test_file_descriptors_beyond_a_kinds_limit_are_refused_and_closed() -> None:
     memfd = arena.create_memfd("test")
     before = len(os.listdir("/proc/self/fd"))
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    one = protocol.Limits(header=1 << 20, payload=1 << 20, fds=1)
     with ours, theirs:
         protocol.send(theirs, {"op": "ping"}, fds=[memfd, memfd])
         with pytest.raises(protocol.ProtocolError, match="file descriptors"):
-            protocol.receive(ours, protocol.REQUEST)  # clients send none
+            protocol.receive(ours, one)
     assert len(os.listdir("/proc/self/fd")) == before  # what arrived was closed
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with ours, theirs:
@@ -326,7 +327,10 @@ print(json.dumps({"sys_path": result["sys_path"], "cwd": result["cwd"], "sum": f
 
 
 @pytest.mark.slow
-def test_an_autostarted_server_and_its_loader_import_nothing_from_the_clients_directory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fill", ["caller", "server"])
+def test_an_autostarted_server_and_its_loader_import_nothing_from_the_clients_directory(
+    tmp_path: Path, fill: str
+) -> None:
     import torch
 
     project = tmp_path / "project"  # the folder a client runs in, holding somebody's diffusers.py
@@ -336,7 +340,7 @@ def test_an_autostarted_server_and_its_loader_import_nothing_from_the_clients_di
     torch.save({"w": torch.arange(10.0)}, project / "state.pt")
     with private_dir() as directory:
         env = {**os.environ, "ZEROCOPY_PICKLE_CACHE_DIR": str(directory), "PYTHONPATH": str(REPO),
-               "PYTHONUNBUFFERED": "1"}  # fmt: skip
+               "PYTHONUNBUFFERED": "1", "ZEROCOPY_PICKLE_CACHE_FILL": fill}  # fmt: skip
         try:
             proc = subprocess.run(
                 [sys.executable, "-c", WHERE_CLIENT, "state.pt"],  # a relative path, resolved in the client's folder
@@ -346,15 +350,19 @@ def test_an_autostarted_server_and_its_loader_import_nothing_from_the_clients_di
             result = json.loads(proc.stdout.splitlines()[-1])
             assert result["sum"] == 45.0, proc.stderr
             status = result["status"]
-            assert status["loader_ready"] and status["misses"] == 1 and len(status["entries"]) == 1, proc.stderr
-            # The zygote (and the server) run in the private runtime directory, and look for modules neither
-            # there nor in the client's folder; the loader child ran the call in the client's folder.
-            for pid in (status["pid"], status["loader_pid"]):
+            # (A client that loads its own misses sent no get to the server it started: it did not wait for it.)
+            assert status["misses"] == (fill == "server") and len(status["entries"]) == 1, proc.stderr
+            # The server (and the zygote) run in the private runtime directory, and look for modules neither
+            # there nor in the client's folder; the call ran in the client's folder (in the loader's child, or in
+            # the client itself, which loads its own misses and never needs the loader).
+            assert status["loader_ready"] == (fill == "server")
+            for pid in (status["pid"], status["loader_pid"]) if fill == "server" else (status["pid"],):
                 assert os.readlink(f"/proc/{pid}/cwd") == str(directory)
             assert result["cwd"] == str(project)
-            assert "" not in result["sys_path"] and str(project) not in result["sys_path"]
-            assert str(directory) not in result["sys_path"]
-            assert str(REPO) in result["sys_path"]  # an explicit PYTHONPATH entry stays
+            if fill == "server":  # the loader's child cleaned its sys.path (the client's own is the user's)
+                assert "" not in result["sys_path"] and str(project) not in result["sys_path"]
+                assert str(directory) not in result["sys_path"]
+                assert str(REPO) in result["sys_path"]  # an explicit PYTHONPATH entry stays
             assert not sentinel.exists(), sentinel.read_text()
         finally:
             with contextlib.suppress(Exception), Client(directory / "server.sock", timeout=30) as client:

@@ -6,10 +6,11 @@ of this user gets the model from shared memory in milliseconds.
     pipe = StableDiffusionControlNetPipeline.from_pretrained(path, vae=vae, controlnet=[a, b])
 
 A server (``zerocopy-pickle serve``, or started on demand) holds each result as segments in sealed memfds;
-clients receive them over a private Unix socket and load them copy-on-write, zero-copy. A miss is loaded in a
-short-lived child of a zygote that imported the libraries once. Keys fingerprint local files, so a changed
-checkpoint is a miss; cached objects passed as arguments travel as references. The cache may make a load
-faster, never make it fail: without a server, the call loads directly. See ``docs/cache.md``.
+clients receive them over a private Unix socket and load them copy-on-write, zero-copy. On a miss (or before
+any server runs: ``patch_all()`` starts one in the background) the caller loads the call itself, exactly as
+without the cache, and hands the result to the server afterwards, on a background thread. Keys fingerprint local
+files, so a changed checkpoint is a miss; cached objects passed as arguments travel as references. The cache may
+make a load faster, never slower, and never make it fail. See ``docs/cache.md``.
 
 This namespace is the cache's public API; its submodules are internal. Packages declare more patch points
 through the entry-point group ``zerocopy_pickle.cache_patch_points`` (``docs/cache.md``).
@@ -61,8 +62,17 @@ __all__ = [
 ]
 
 
+def _flush() -> None:
+    """Wait until the results this process loaded itself reached the server (see ``client._Filer``)."""
+    import sys
+
+    client = sys.modules.get(f"{__name__}.client")
+    if client is not None:
+        client._filer.drain()
+
+
 def status() -> dict[str, Any]:
-    """The running server's entries, sizes, hits and misses.
+    """The running server's entries, sizes, hits and misses (after this process's own results reached it).
 
     Raises:
         CacheError: no server is running.
@@ -70,6 +80,7 @@ def status() -> dict[str, Any]:
     from .client import Client
     from .messages import StatusReply, StatusRequest
 
+    _flush()
     with Client() as client:
         reply, _, _ = client.request(StatusRequest())
     return StatusReply.decode(reply).status
@@ -80,6 +91,7 @@ def clear() -> int:
     from .client import Client
     from .messages import Clear, Cleared
 
+    _flush()
     with Client() as client:
         reply, _, _ = client.request(Clear())
     return Cleared.decode(reply).cleared

@@ -1,17 +1,29 @@
-"""Internal: the client side of the cache: keys, requests, loading entries, and falling back to a direct load.
+"""Internal: the client side of the cache: keys, requests, loading entries, filling misses, and falling back to a
+direct load.
 
-The cache may make a load faster, never make it fail: if the server is absent, dead, slow or broken, or a call
-cannot be keyed, :func:`cached_call` calls the original loader directly and warns once per cause.
+The cache may make a load faster, never slower, and never make it fail. A hit is loaded from the server's
+segments. On a miss, and when no server runs yet (``patch_all()`` then starts one in the background without
+waiting for it), the caller loads the call itself, exactly as the plain call would, and gets the result at once;
+what it loaded is captured into an entry right away (pickled, its untouched checkpoint views referenced, any other
+storage copied into a sealed memfd: ``entries.capture``) and sent to the server by a background thread (a
+``put``), so the next process gets a hit. If the server is dead, slow or broken, or a call cannot be keyed,
+:func:`cached_call` calls the original loader directly and warns once per cause.
+
+``ZEROCOPY_PICKLE_CACHE_FILL=server`` makes misses load in the server's loader instead (the caller waits for it;
+the result then never holds the caller's own storages).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
 import io
 import json
+import logging
 import os
 import queue
 import socket
@@ -21,7 +33,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +42,20 @@ from .._version import __version__
 from ..loadcore import argument
 from . import entries
 from .isolation import WORKDIR_ENV, child_environment
-from .messages import Call, EntryReply, Failure, Get, Ping
+from .messages import Call, EntryReply, Failure, Get, Miss, Ping, Put
 from .protocol import CacheError, ProtocolError, receive, runtime_dir, send, socket_path
 
 __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_result"]
 
 TIMEOUT_ENV = "ZEROCOPY_PICKLE_CACHE_TIMEOUT"
 PREFAULT_ENV = "ZEROCOPY_PICKLE_CACHE_PREFAULT"
+FILL_ENV = "ZEROCOPY_PICKLE_CACHE_FILL"
+FILL_WAIT = 60.0
+"""Seconds the background thread waits for a server that is starting before it gives up on filing a result."""
+HIT_TIMEOUT = 30.0
+"""Seconds a client that fills its own misses waits for the server's answer (it never waits for a load)."""
+
+log = logging.getLogger("zerocopy_pickle.cache")
 MAX_FINGERPRINT_FILES = 100_000
 
 
@@ -212,7 +231,7 @@ class Client:
             raise CacheError(f"no cache server at {self.path} ({e.strerror or e})") from e
 
     def request(
-        self, message: Any, payload: bytes = b"", timeout: float | None = None
+        self, message: Any, payload: bytes = b"", timeout: float | None = None, fds: Sequence[int] = ()
     ) -> tuple[dict[str, Any], bytes, list[int]]:
         """Send a request (a message of :mod:`messages`, or its encoded header) and return the successful reply's
         header (decode it with its message class), payload and fds (the caller closes them).
@@ -224,15 +243,15 @@ class Client:
         if timeout is not None:
             self.sock.settimeout(timeout)
         try:
-            send(self.sock, header, payload)
-            reply, data, fds = receive(self.sock)
+            send(self.sock, header, payload, fds)
+            reply, data, received = receive(self.sock)
         except (OSError, ProtocolError) as e:
             raise CacheError(f"the cache server did not answer ({type(e).__name__}: {e})") from e
         if not reply.get("ok"):
-            for fd in fds:
+            for fd in received:
                 os.close(fd)
             raise CacheError(Failure.decode(reply).error)
-        return reply, data, fds
+        return reply, data, received
 
     def close(self) -> None:
         self.sock.close()
@@ -283,10 +302,71 @@ _WARNED: set[str] = set()
 _state = threading.local()
 
 
-def _warn_once(cause: str, message: str) -> None:
+def _warn_once(cause: str, message: str, then: str = "; loading directly") -> None:
     if cause not in _WARNED:
         _WARNED.add(cause)
-        warnings.warn(f"zerocopy_pickle cache: {message}; loading directly", CacheWarning, stacklevel=4)
+        warnings.warn(f"zerocopy_pickle cache: {message}{then}", CacheWarning, stacklevel=4)
+
+
+class _Filer:
+    """Sends the results this process loaded itself (after a miss) to the server, in the order they were loaded,
+    on one background thread: an entry that references another (``pipeline(vae=vae)``) arrives after it. Waits up
+    to :data:`FILL_WAIT` seconds for a server that is still starting. At exit, the process waits (as long) for
+    what is queued, so a short script's loads still reach the cache."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Put, bytes, list[int]]] = queue.SimpleQueue()
+        self._lock = threading.Condition()
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+
+    def submit(self, put: Put, payload: bytes, fds: list[int]) -> None:
+        with self._lock:
+            self._pending += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="zerocopy_pickle-fill", daemon=True)
+                self._thread.start()
+        self._queue.put((put, payload, fds))
+
+    def drain(self, timeout: float = FILL_WAIT) -> bool:
+        """Wait until everything submitted was sent (or given up on); False if ``timeout`` passed first."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._pending == 0, timeout)
+
+    def _run(self) -> None:
+        while True:
+            put, payload, fds = self._queue.get()
+            try:
+                self._send(put, payload, fds)
+            except CacheError as e:
+                log.warning("zerocopy_pickle cache: %s was not cached (%s)", put.request.describe or "a call", e)
+            except Exception:  # never let the thread die with work queued behind it
+                log.exception("zerocopy_pickle cache: filing %s failed", put.request.describe or "a call")
+            finally:
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                with self._lock:
+                    self._pending -= 1
+                    self._lock.notify_all()
+
+    @staticmethod
+    def _send(put: Put, payload: bytes, fds: list[int]) -> None:
+        deadline = time.monotonic() + FILL_WAIT
+        while True:
+            try:
+                client = Client(timeout=HIT_TIMEOUT)
+                break
+            except CacheError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+        with client:
+            client.request(put, payload, fds=fds)
+
+
+_filer = _Filer()
+atexit.register(_filer.drain)
 
 
 def _timeout() -> float:
@@ -296,8 +376,15 @@ def _timeout() -> float:
         return 3600.0
 
 
+_spawned: list[float] = []  # when this process last started a server without waiting for it
+
+
 def start_server_in_background(wait: float = 10.0) -> None:
-    """Start ``zerocopy-pickle serve`` as a detached process and wait until it answers."""
+    """Start ``zerocopy-pickle serve`` as a detached process and wait until it answers (``wait=0``: do not wait;
+    a second call within ``FILL_WAIT`` seconds then starts nothing, as the first server is still coming up)."""
+    if wait <= 0 and _spawned and time.monotonic() - _spawned[-1] < FILL_WAIT:
+        return
+    _spawned[:] = [time.monotonic()]
     directory = runtime_dir()
     log = directory / "server.log"
     env = dict(os.environ)
@@ -315,6 +402,8 @@ def start_server_in_background(wait: float = 10.0) -> None:
             cwd=directory,
             env=child_environment(env, cleaned=False),
         )
+    if wait <= 0:
+        return
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         try:
@@ -349,27 +438,60 @@ def cached_call(
         except Uncacheable as e:
             _warn_once(f"uncacheable:{point}", str(e))
             return original(*args, **kwargs)
+        fill = os.environ.get(FILL_ENV, "caller") != "server"
         try:
-            result = _fetch(request, args, kwargs, autostart=autostart)
+            result = _fetch(request, args, kwargs, autostart=autostart, fill=fill)
         except CacheError as e:
             _warn_once(f"error:{type(e).__name__}", str(e))
             return original(*args, **kwargs)
+        if isinstance(result, Miss):  # load it here, as without the cache; the server gets it afterwards
+            value = original(*args, **kwargs)
+            _file(request, value, args, kwargs, files=result.files)
+            return value
         register_result(result, request["key"])
         return result
     finally:
         _state.depth = 0
 
 
-def _fetch(request: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, autostart: bool) -> Any:
+def _file(request: dict[str, Any], value: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, files: bool) -> None:
+    """Capture what the caller just loaded as the call's entry, now (so that changes the caller makes to it later
+    stay out of the entry), and queue it for the server."""
+    refs = request["ref_objects"] + entries.argument_slots(args, kwargs)
+    try:
+        result, stream, fds = entries.capture(value, refs, file_segments=files)
+    except Exception as e:  # the caller has its result; only the cache goes without
+        _warn_once(f"capture:{type(e).__name__}", f"a result cannot be cached ({type(e).__name__}: {e})", "")
+        return
+    payload = request["payload"]
+    _filer.submit(Put(request["get"], result, len(payload)), payload + stream, fds)
+    register_result(value, request["key"])
+
+
+def _fetch(
+    request: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, autostart: bool, fill: bool = False
+) -> Any:
+    """The cached result of the call; with ``fill``, a :class:`Miss` when the caller is to load it (the server
+    missed, or none runs yet and one was started)."""
     try:
         client = Client()
     except CacheError:
         if not autostart:
             raise
+        if fill:
+            start_server_in_background(wait=0)
+            return Miss(True)
         start_server_in_background()
         client = Client()
+    get = dataclasses.replace(request["get"], fill=fill)
     with client:
-        header, stream, fds = client.request(request["get"], request["payload"], timeout=_timeout())
+        header, stream, fds = client.request(
+            get, request["payload"], timeout=min(_timeout(), HIT_TIMEOUT) if fill else _timeout()
+        )
+    if header.get("miss"):
+        for fd in fds:
+            os.close(fd)
+        return Miss.decode(header)
     try:
         reply = EntryReply.decode(header, len(fds))
         mappings = entries.map_segments(reply.segments, fds)

@@ -17,6 +17,7 @@ import io
 import mmap
 import os
 import pickle
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -27,10 +28,21 @@ from ..format import BufferSpec, PluginRef, padded_pieces, place_buffers
 from ..integrity import checksum
 from ..loadcore import argument, load_stream
 from ..pickler import ZeroCopyPickler
+from . import filebacked
 from .filebacked import FileRange
-from .messages import BufferRow
+from .messages import BufferRow, JobResult
+from .protocol import MAX_FDS
 
-__all__ = ["Pickled", "RefPickler", "argument_slots", "build_segment", "load_entry", "pickle_with_refs", "unpickle"]
+__all__ = [
+    "Pickled",
+    "RefPickler",
+    "argument_slots",
+    "build_segment",
+    "capture",
+    "load_entry",
+    "pickle_with_refs",
+    "unpickle",
+]
 
 
 def argument_slots(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
@@ -230,3 +242,54 @@ def _find_existing(
         if nbytes == view.nbytes and segment is not None and same_bytes(segment.view[offset : offset + nbytes], view):
             return segment_id, offset  # a candidate with the same bytes: stored once
     return None
+
+
+def capture(
+    value: Any,
+    refs: Sequence[object],
+    *,
+    file_segments: bool,
+    existing: dict[int, SegmentView] | None = None,
+    index: dict[str, list[tuple[int, int, int]]] | None = None,
+    provenance: Callable[[memoryview], tuple[int, int] | None] | None = None,
+) -> tuple[JobResult, bytes, list[int]]:
+    """Turn a loaded result into an entry: pickle it with ``refs`` as references, find the storages that are
+    untouched views of checkpoint files (with ``file_segments``), and copy every other storage into a new sealed
+    memfd (or reference an identical one in ``existing`` segments, found through ``index`` and ``provenance``).
+
+    Everything is read now: once this returns, the caller may change the result in place without changing the
+    entry. Used by the loader's children and by clients that load their own misses.
+
+    Returns the entry's description, its stream and its fds (the new memfd, if any, then the files; the caller
+    closes them, or sends them and then closes them).
+    """
+    clock = time.perf_counter
+    mark = clock()
+    pickled = pickle_with_refs(value, refs, in_band=False)
+    timings = {"pickle": clock() - mark}
+    mark = clock()
+    files, file_fds = filebacked.file_ranges(pickled.views) if file_segments else ([], [])
+    if len(file_fds) > MAX_FDS - 1:  # one message carries them all: copy what refers to the files beyond
+        for fd in file_fds[MAX_FDS - 1 :]:
+            os.close(fd)
+        file_fds = file_fds[: MAX_FDS - 1]
+        files = [r if r is not None and r.file < len(file_fds) else None for r in files]
+    timings["files"] = clock() - mark
+    mark = clock()
+    try:
+        rows, new_fd = build_segment(
+            pickled.views,
+            [spec.location for spec in pickled.specs],
+            existing or {},
+            index or {},
+            provenance or (lambda view: None),
+            files or None,
+        )
+    except BaseException:
+        for fd in file_fds:
+            os.close(fd)
+        raise
+    timings["segment"] = clock() - mark
+    fds = ([new_fd] if new_fd is not None else []) + file_fds
+    result = JobResult(rows, pickled.plugins, [], timings, new_fd is not None, len(file_fds))
+    return result, pickled.stream, fds

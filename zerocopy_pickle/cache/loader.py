@@ -21,6 +21,7 @@ Run as ``python -m zerocopy_pickle.cache.loader FD``; the server does that.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import importlib
 import os
@@ -34,11 +35,11 @@ from typing import Any
 
 from .. import arena
 from ..discovery import resolve_name
-from . import entries, filebacked
+from . import entries
 from .isolation import WORKDIR_ENV, clean_sys_path
-from .messages import Failure, Job, JobResult, Preload, Ready
+from .messages import Failure, Job, Preload, Ready
 from .points import all_patch_points
-from .protocol import MAX_FDS, CacheError, ProtocolError, receive, send
+from .protocol import CacheError, ProtocolError, receive, send
 
 __all__ = ["LEARNABLE", "PRELOAD", "learnable", "patch_point_modules", "zygote_main"]
 
@@ -118,38 +119,25 @@ def run_job(job: Job, payload: bytes, result: socket.socket, segment_fds: Sequen
     value = function(*args, **kwargs)
     timings["call"] = clock() - mark
 
-    mark = clock()
-    pickled = entries.pickle_with_refs(value, call_refs + entries.argument_slots(args, kwargs), in_band=False)
-    timings["pickle"] = clock() - mark
     index: dict[str, list[tuple[int, int, int]]] = {}
     for digest, segment_id, offset, nbytes in job.index:
         index.setdefault(digest, []).append((segment_id, offset, nbytes))
-    mark = clock()
-    files, file_fds = filebacked.file_ranges(pickled.views) if job.file_segments else ([], [])
-    if len(file_fds) > MAX_FDS - 1:  # one message carries them all: copy what refers to the files beyond
-        for fd in file_fds[MAX_FDS - 1 :]:
-            os.close(fd)
-        file_fds = file_fds[: MAX_FDS - 1]
-        files = [r if r is not None and r.file < len(file_fds) else None for r in files]
-    timings["files"] = clock() - mark
-    mark = clock()
-    try:
-        rows, new_fd = entries.build_segment(
-            pickled.views, [s.location for s in pickled.specs], pristine, index, provenance, files or None
-        )
-    except BaseException:
-        for fd in file_fds:
-            os.close(fd)
-        raise
-    timings["segment"] = clock() - mark
+    reply, stream, fds = entries.capture(
+        value,
+        call_refs + entries.argument_slots(args, kwargs),
+        file_segments=job.file_segments,
+        existing=pristine,
+        index=index,
+        provenance=provenance,
+    )
+    timings.update(reply.timings)
     timings["total"] = clock() - started
     imported = sorted(name for name in set(sys.modules) - modules_before if learnable(name))
-    fds = [new_fd] if new_fd is not None else []
     try:
-        reply = JobResult(rows, pickled.plugins, imported, timings, new_fd is not None, len(file_fds))
-        send(result, reply.encode(), pickled.stream, fds + file_fds)
+        reply = dataclasses.replace(reply, imported=imported, timings=timings)
+        send(result, reply.encode(), stream, fds)
     finally:
-        for fd in fds + file_fds:
+        for fd in fds:
             os.close(fd)
 
 

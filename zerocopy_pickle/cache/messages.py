@@ -4,8 +4,8 @@ the wrong type or out of range is a :class:`protocol.ProtocolError`, never a ``K
 
 Who sends what::
 
-    client -> server      Ping | Get | StatusRequest | Clear | Stop              (limits: protocol.REQUEST)
-    server -> client      Pong | EntryReply | StatusReply | Cleared | Done | Failure
+    client -> server      Ping | Get | Put | StatusRequest | Clear | Stop        (limits: protocol.REQUEST)
+    server -> client      Pong | EntryReply | Miss | StatusReply | Cleared | Done | Failure
     server -> zygote      Job | Preload | Stop
     zygote -> server      Ready
     loader child -> server  JobResult | Failure                              (limits: protocol.ENTRY)
@@ -40,9 +40,11 @@ __all__ = [
     "Job",
     "JobRef",
     "JobResult",
+    "Miss",
     "Ping",
     "Pong",
     "Preload",
+    "Put",
     "Ready",
     "StatusReply",
     "StatusRequest",
@@ -60,8 +62,8 @@ MAX_PLUGINS = 1000
 PLACES = ("segment", "new", "file")
 """Where a buffer row's bytes are: ``segment``: a segment of the store (``segment`` is its id, > 0); ``new``: the
 memfd a loader sent with the entry (``segment`` is 0); ``file``: the ``segment``-th checkpoint file a loader sent
-with the entry. Only a loader's :class:`JobResult` has ``new`` and ``file`` rows; the store turns them into
-``segment`` rows when it adopts the entry."""
+with the entry. Only a :class:`JobResult` (a loader's, or the one in a client's :class:`Put`) has ``new`` and
+``file`` rows; the store turns them into ``segment`` rows when it adopts the entry."""
 
 
 class BufferRow(NamedTuple):
@@ -202,17 +204,19 @@ class Stop(Ping):
 @dataclass(frozen=True)
 class Get:
     """Serve a call: its key, what to run on a miss, a description for status, and the plugins its pickled
-    arguments (the payload) need."""
+    arguments (the payload) need. With ``fill``, a miss is answered at once (:class:`Miss`): the client loads the
+    call itself and sends the result (:class:`Put`); without, the server's loader loads it and the reply waits."""
 
     OP: ClassVar[str] = "get"
     key: str
     call: Call
     describe: str = ""
     plugins: list[tuple[str, str]] = field(default_factory=list)
+    fill: bool = False
 
     def encode(self) -> dict[str, Any]:
         return {"op": self.OP, "key": self.key, "call": self.call.encode(), "describe": self.describe,
-                "plugins": [list(p) for p in self.plugins]}  # fmt: skip
+                "plugins": [list(p) for p in self.plugins], "fill": self.fill}  # fmt: skip
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Get:
@@ -226,15 +230,44 @@ class Get:
             Call.decode(header.get("call"), what),
             describe if isinstance(describe, str) else "",
             decode_plugins(header.get("plugins", []), what),
+            header.get("fill", False) is True,
         )
 
 
-_REQUESTS: dict[str, Any] = {c.OP: c for c in (Ping, StatusRequest, Clear, Stop, Get)}
-Request = Ping | Get
+@dataclass(frozen=True)
+class Put:
+    """A client's own load of a call that missed, for the cache: the call as its :class:`Get` named it, and the
+    entry as a loader's :class:`JobResult` describes one (rows in ``new`` and ``file`` places, the fds: the new
+    sealed memfd if any, then the checkpoint files). The payload is the call's pickled arguments
+    (``args_nbytes``), then the result's stream."""
+
+    OP: ClassVar[str] = "put"
+    request: Get
+    result: JobResult
+    args_nbytes: int
+
+    def encode(self) -> dict[str, Any]:
+        return {"op": self.OP, "request": self.request.encode(), "result": self.result.encode(),
+                "args_nbytes": self.args_nbytes}  # fmt: skip
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], fds: int = 0) -> Put:
+        what = "a put request"
+        request, result = header.get("request"), header.get("result")
+        if not isinstance(request, dict) or not isinstance(result, dict):
+            raise ProtocolError(f"{what}: 'request' or 'result' is not an object")
+        args_nbytes = _field(header, "args_nbytes", int, what)
+        if args_nbytes < 0:
+            raise ProtocolError(f"{what}: negative 'args_nbytes'")
+        return cls(Get.decode(request), JobResult.decode(result, fds), args_nbytes)
 
 
-def decode_request(header: dict[str, Any]) -> Request:
-    """The request a client sent.
+_REQUESTS: dict[str, Any] = {c.OP: c for c in (Ping, StatusRequest, Clear, Stop, Get, Put)}
+Request = Ping | Get | Put
+
+
+def decode_request(header: dict[str, Any], fds: int = 0) -> Request:
+    """The request a client sent, with ``fds`` file descriptors (only a :class:`Put` may carry any).
 
     Raises:
         ProtocolError: an unknown kind, or a malformed one.
@@ -242,6 +275,10 @@ def decode_request(header: dict[str, Any]) -> Request:
     kind = _REQUESTS.get(header.get("op"))  # type: ignore[arg-type]
     if kind is None:
         raise ProtocolError(f"unknown request {str(header.get('op'))[:100]!r}")
+    if kind is Put:
+        return Put.decode(header, fds)
+    if fds:
+        raise ProtocolError(f"a {kind.OP!r} request carries no file descriptors")
     request: Request = kind.decode(header)
     return request
 
@@ -348,7 +385,23 @@ class EntryReply:
         )
 
 
-Reply = Failure | Pong | Done | Cleared | StatusReply | EntryReply
+@dataclass(frozen=True)
+class Miss:
+    """The answer to a ``get`` with ``fill`` that missed: the client loads the call itself. ``files``: whether
+    the server keeps entries' untouched checkpoint views as references to the files (else it wants every byte
+    in a memfd: ``serve --copy-files``)."""
+
+    files: bool = True
+
+    def encode(self) -> dict[str, Any]:
+        return {"ok": True, "miss": True, "files": self.files}
+
+    @classmethod
+    def decode(cls, header: dict[str, Any]) -> Miss:
+        return cls(header.get("files", True) is True)
+
+
+Reply = Failure | Pong | Done | Cleared | StatusReply | EntryReply | Miss
 _ReplyT = TypeVar("_ReplyT", Pong, Done, Cleared, StatusReply)
 
 

@@ -62,9 +62,11 @@ class Limits:
     fds: int
 
 
-REQUEST = Limits(header=1 << 20, payload=64 << 20, fds=0)
+REQUEST = Limits(header=64 << 20, payload=1 << 30, fds=MAX_FDS)
 """A client's request: a key, the call's name, the keys it references (header) and the call's arguments,
-pickled with cached objects as references (payload). Clients never send file descriptors."""
+pickled with cached objects as references (payload); or a ``put`` (a result the client loaded itself: its buffer
+table in the header, the arguments and the result's stream as the payload, its segments as fds). Only a put may
+carry file descriptors (``messages.decode_request``)."""
 
 ENTRY = Limits(header=256 << 20, payload=4 << 30, fds=MAX_FDS)
 """An entry and its kin (server to client, loader to server, server to loader): a buffer table of at most

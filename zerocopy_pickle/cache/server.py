@@ -2,9 +2,13 @@
 clients over a Unix socket.
 
 One thread per client connection. A hit is answered from memory: the entry's stream and buffer table, and
-duplicates of its segments' fds (``SCM_RIGHTS``). A miss goes to the loader (``loader.py``): concurrent
-requests for the same key wait for one load. The server imports neither torch nor any model library, so it
-starts in a fraction of a second and never holds a CUDA context; the zygote it starts pays the imports once.
+duplicates of its segments' fds (``SCM_RIGHTS``). A miss of a patched call (a ``get`` with ``fill``) is answered
+at once: the client loads the call itself, as it would without the cache, and sends the result afterwards (a
+``put``: its stream, buffer table, a sealed memfd and the checkpoint files it references), which the server files
+as the entry. A ``get`` without ``fill`` goes to the loader (``loader.py``) on a miss: concurrent requests for the
+same key wait for one load. The server imports neither torch nor any model library, so it starts in a fraction
+of a second and never holds a CUDA context; the loader's zygote, which pays the imports once, is started when
+the first load needs it (or at once with ``eager_loader``).
 
 Run with ``zerocopy-pickle serve`` (``--max-bytes``, ``--persist DIR``), or let a patched client start it.
 """
@@ -34,9 +38,11 @@ from .messages import (
     Job,
     JobRef,
     JobResult,
+    Miss,
     Ping,
     Pong,
     Preload,
+    Put,
     Ready,
     StatusReply,
     StatusRequest,
@@ -69,6 +75,8 @@ class Server:
             copying their bytes into memfds (``filebacked.py``).
         workdir: what relative paths in requests resolve against (the loader's children run calls there); the
             zygote itself runs in the socket's (private) directory. Default: the working directory.
+        eager_loader: start the loader's zygote when serving starts, not when the first load needs it (a client
+            that fills its own misses never needs it; its imports cost seconds of CPU).
     """
 
     def __init__(
@@ -80,8 +88,10 @@ class Server:
         loader_timeout: float = LOADER_TIMEOUT,
         file_segments: bool = True,
         workdir: str | None = None,
+        eager_loader: bool = False,
     ) -> None:
         self.path = path
+        self.eager_loader = eager_loader
         self.workdir = workdir if workdir is not None else os.getcwd()
         self.file_segments = file_segments
         self.store = Store(max_bytes, persist, key_dir=path.parent)
@@ -123,7 +133,8 @@ class Server:
         if self._listener is None:
             self.bind()
         assert self._listener is not None
-        self._start_zygote()
+        if self.eager_loader:
+            self._start_zygote()
         self._listener.settimeout(0.5)
         try:
             while not self.stopping.is_set():
@@ -237,16 +248,19 @@ class Server:
                     return
                 except (ConnectionError, OSError):
                     return
-                for fd in fds:  # clients never send fds
-                    os.close(fd)
                 try:
-                    request = decode_request(header)
+                    request = decode_request(header, len(fds))
                 except ProtocolError as e:  # a malformed request: refuse it, serve on
+                    for fd in fds:
+                        os.close(fd)
                     with contextlib.suppress(OSError):
                         send(conn, Failure(f"malformed request ({e})").encode())
                     continue
                 try:
-                    self._dispatch(conn, request, payload)
+                    if isinstance(request, Put):
+                        self._put(conn, request, payload, fds)  # takes the fds
+                    else:
+                        self._dispatch(conn, request, payload)
                 except (BrokenPipeError, ConnectionResetError):
                     return  # the client went away mid-reply; whatever it was sent dies with the socket
                 except CacheError as e:
@@ -273,6 +287,9 @@ class Server:
         key = request.key
         entry = self.store.get(key)
         hit = entry is not None
+        if entry is None and request.fill:  # the client loads it itself, now, and sends it (a put)
+            send(conn, Miss(self.file_segments).encode())
+            return
         if entry is None:
             entry = self._load(key, request, payload)
         with self.store.lock:
@@ -284,6 +301,35 @@ class Server:
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def _put(self, conn: socket.socket, request: Put, payload: bytes, fds: list[int]) -> None:
+        """Adopt the entry a client loaded itself after a miss (it goes on at once; this only files the result).
+
+        Takes ownership of ``fds``. An entry for the key that arrived first (another process's fill, or a load)
+        is kept. The new segment must be a sealed memfd and the files regular files (``Store.add`` checks), and
+        every entry the call's arguments reference must still be cached.
+        """
+        get, result = request.request, request.result
+        try:
+            if request.args_nbytes > len(payload):
+                raise CacheError("a put's arguments are longer than its payload")
+            if self.store.peek(get.key) is not None:
+                send(conn, Done().encode())
+                return
+            if result.files and not self.file_segments:
+                raise CacheError("this server copies every byte (serve --copy-files): a put may not reference files")
+            if self.store.closure(get.call.refs) is None:
+                raise CacheError("an entry this call's arguments reference is not in the cache (evicted, or not filed)")
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        entry = Entry(get.key, get.describe or get.key, payload[request.args_nbytes :], result.buffers,
+                      get.call.refs, args=payload[: request.args_nbytes], timings=result.timings,
+                      plugins=result.plugins, args_plugins=get.plugins)  # fmt: skip
+        new_fd = fds[0] if result.new_segment else None
+        self.store.add(entry, new_fd, fds[int(result.new_segment) :])
+        send(conn, Done().encode())
 
     def _load(self, key: str, request: Get, payload: bytes) -> Entry:
         with self._inflight_lock:
