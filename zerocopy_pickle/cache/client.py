@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
 import importlib.metadata
 import io
@@ -26,6 +27,7 @@ import json
 import logging
 import os
 import queue
+import select
 import socket
 import subprocess
 import sys
@@ -42,7 +44,7 @@ from .._version import __version__
 from ..loadcore import argument
 from . import entries
 from .isolation import WORKDIR_ENV, child_environment
-from .messages import Call, EntryReply, Failure, Get, Miss, Ping, Put
+from .messages import Call, EntryReply, Failure, Get, JobResult, Miss, Ping, Put
 from .protocol import CacheError, ProtocolError, receive, runtime_dir, send, socket_path
 
 __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_result"]
@@ -308,61 +310,174 @@ def _warn_once(cause: str, message: str, then: str = "; loading directly") -> No
         warnings.warn(f"zerocopy_pickle cache: {message}{then}", CacheWarning, stacklevel=4)
 
 
+def _send_put(put: Put, payload: bytes, fds: Sequence[int]) -> None:
+    """Send a put, waiting up to :data:`FILL_WAIT` seconds for a server that is still starting."""
+    deadline = time.monotonic() + FILL_WAIT
+    while True:
+        try:
+            client = Client(timeout=HIT_TIMEOUT)
+            break
+        except CacheError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+    with client:
+        client.request(put, payload, fds=fds)
+
+
+def _wait_eof(fd: int, timeout: float) -> bool:
+    """Wait until every writer of the pipe ``fd`` reads from has closed it; False if ``timeout`` passed first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready and not os.read(fd, 4096):
+            return True
+
+
 class _Filer:
-    """Sends the results this process loaded itself (after a miss) to the server, in the order they were loaded,
-    on one background thread: an entry that references another (``pipeline(vae=vae)``) arrives after it. Waits up
-    to :data:`FILL_WAIT` seconds for a server that is still starting. At exit, the process waits (as long) for
-    what is queued, so a short script's loads still reach the cache."""
+    """Files the results this process loaded itself (after a miss) with the server, off the caller's path.
+
+    Each result is captured and sent by a *forked child*: ``fork`` gives it a copy-on-write snapshot of the
+    process as the call returned (about 20 ms for a process holding an SD1.5 pipeline), so the caller goes on at
+    once, and whatever it changes afterwards (``fuse_lora``, ``.half()``, in-place edits) stays out of the entry.
+    The child captures the result (``entries.capture``: pickling, finding the untouched checkpoint views, copying
+    the rest into a sealed memfd), sends it, and exits. Where a fork would not be safe (CUDA is initialized in
+    this process: the child could not touch it), the result is captured in the calling thread and a background
+    thread sends it.
+
+    Results reach the server in the order they were loaded (``pipeline(vae=vae)`` after ``vae``): each filing
+    holds the write end of a pipe until it is done, and the next one waits for the previous pipe to close. At
+    exit the process waits (up to :data:`FILL_WAIT` seconds) for its last filing, so a short script's loads
+    still reach the cache; :func:`zerocopy_pickle.cache.status` waits for them too.
+    """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Put, bytes, list[int]]] = queue.SimpleQueue()
-        self._lock = threading.Condition()
-        self._pending = 0
-        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._last: int | None = None  # the read end of the last filing's pipe
+        self._writers: set[int] = set()  # write ends this process holds (threaded filings in progress)
 
-    def submit(self, put: Put, payload: bytes, fds: list[int]) -> None:
+    def file(self, request: dict[str, Any], value: Any, refs: list[Any], *, files: bool) -> None:
+        """Start filing ``value`` as the entry of ``request`` (``files``: the server takes references to
+        checkpoint files). Raises what capturing raises, where it happens in this thread."""
+        put = Put(request["get"], JobResult([], []), len(request["payload"]))
         with self._lock:
-            self._pending += 1
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="zerocopy_pickle-fill", daemon=True)
-                self._thread.start()
-        self._queue.put((put, payload, fds))
+            previous, self._last = self._last, None
+            read, write = os.pipe()
+            try:
+                if _fork_is_safe():
+                    try:
+                        self._fork(put, request["payload"], value, refs, files, previous, write)
+                    finally:
+                        os.close(write)  # the child's copy is the one that counts
+                else:
+                    try:
+                        result, stream, fds = entries.capture(value, refs, file_segments=files)
+                    except Exception:
+                        os.close(write)
+                        raise
+                    self._writers.add(write)
+                    threading.Thread(
+                        target=self._send_after,
+                        args=(
+                            dataclasses.replace(put, result=result),
+                            request["payload"] + stream,
+                            fds,
+                            previous,
+                            write,
+                        ),
+                        name="zerocopy_pickle-fill",
+                        daemon=True,
+                    ).start()
+                    previous = None  # the thread closes it
+            finally:
+                if previous is not None:
+                    os.close(previous)
+                self._last = read
+
+    def _fork(
+        self, put: Put, args: bytes, value: Any, refs: list[Any], files: bool, previous: int | None, write: int
+    ) -> None:
+        with warnings.catch_warnings():  # Python 3.12+ warns about fork in a threaded process: the child only
+            warnings.simplefilter("ignore", DeprecationWarning)  # pickles, maps files and talks to a socket
+            pid = os.fork()
+        if pid == 0:  # the child: never returns into the caller's code
+            code = 1
+            try:
+                gc.disable()  # short-lived, and a collection would write to (copy) every page of the heap
+                for fd in self._writers:
+                    os.close(fd)  # other filings' write ends: their ends must be able to close
+                _detach_stdio()
+                if previous is not None:
+                    _wait_eof(previous, FILL_WAIT)
+                result, stream, fds = entries.capture(value, refs, file_segments=files)
+                try:
+                    _send_put(dataclasses.replace(put, result=result), args + stream, fds)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                code = 0
+            except BaseException:
+                with contextlib.suppress(BaseException):
+                    log.exception("zerocopy_pickle cache: filing %s failed", put.request.describe or "a call")
+            finally:
+                os._exit(code)
+        threading.Thread(target=_reap, args=(pid,), name="zerocopy_pickle-reap", daemon=True).start()
+
+    def _send_after(self, put: Put, payload: bytes, fds: list[int], previous: int | None, write: int) -> None:
+        try:
+            if previous is not None:
+                _wait_eof(previous, FILL_WAIT)
+            _send_put(put, payload, fds)
+        except CacheError as e:
+            log.warning("zerocopy_pickle cache: %s was not cached (%s)", put.request.describe or "a call", e)
+        except Exception:
+            log.exception("zerocopy_pickle cache: filing %s failed", put.request.describe or "a call")
+        finally:
+            for fd in (*fds, *((previous,) if previous is not None else ())):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            with self._lock:
+                self._writers.discard(write)
+                os.close(write)
 
     def drain(self, timeout: float = FILL_WAIT) -> bool:
-        """Wait until everything submitted was sent (or given up on); False if ``timeout`` passed first."""
+        """Wait until every filing started so far is done (or given up on); False if ``timeout`` passed first."""
         with self._lock:
-            return self._lock.wait_for(lambda: self._pending == 0, timeout)
+            last = None if self._last is None else os.dup(self._last)
+        if last is None:
+            return True
+        try:
+            return _wait_eof(last, timeout)
+        finally:
+            os.close(last)
 
-    def _run(self) -> None:
-        while True:
-            put, payload, fds = self._queue.get()
-            try:
-                self._send(put, payload, fds)
-            except CacheError as e:
-                log.warning("zerocopy_pickle cache: %s was not cached (%s)", put.request.describe or "a call", e)
-            except Exception:  # never let the thread die with work queued behind it
-                log.exception("zerocopy_pickle cache: filing %s failed", put.request.describe or "a call")
-            finally:
-                for fd in fds:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-                with self._lock:
-                    self._pending -= 1
-                    self._lock.notify_all()
 
-    @staticmethod
-    def _send(put: Put, payload: bytes, fds: list[int]) -> None:
-        deadline = time.monotonic() + FILL_WAIT
-        while True:
-            try:
-                client = Client(timeout=HIT_TIMEOUT)
-                break
-            except CacheError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-        with client:
-            client.request(put, payload, fds=fds)
+def _fork_is_safe() -> bool:
+    if not hasattr(os, "fork"):
+        return False
+    torch = sys.modules.get("torch")
+    return not (torch is not None and torch.cuda.is_initialized())
+
+
+def _detach_stdio() -> None:
+    """A filing child must not hold the caller's pipes open (a parent reading them to EOF would wait for it):
+    stdin and stdout become ``/dev/null``, stderr the runtime directory's ``fill.log``."""
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    try:
+        err = os.open(runtime_dir() / "fill.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except (OSError, CacheError):
+        err = null
+    os.dup2(err, 2)
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
 
 
 _filer = _Filer()
@@ -455,16 +570,14 @@ def cached_call(
 
 
 def _file(request: dict[str, Any], value: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, files: bool) -> None:
-    """Capture what the caller just loaded as the call's entry, now (so that changes the caller makes to it later
-    stay out of the entry), and queue it for the server."""
+    """File what the caller just loaded as the call's entry, as it is now (changes the caller makes to it later
+    stay out of the entry), without making the caller wait (see :class:`_Filer`)."""
     refs = request["ref_objects"] + entries.argument_slots(args, kwargs)
     try:
-        result, stream, fds = entries.capture(value, refs, file_segments=files)
+        _filer.file(request, value, refs, files=files)
     except Exception as e:  # the caller has its result; only the cache goes without
         _warn_once(f"capture:{type(e).__name__}", f"a result cannot be cached ({type(e).__name__}: {e})", "")
         return
-    payload = request["payload"]
-    _filer.submit(Put(request["get"], result, len(payload)), payload + stream, fds)
     register_result(value, request["key"])
 
 

@@ -23,13 +23,12 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from .. import arena
 
 __all__ = ["FileRange", "Mapping", "file_ranges", "read_maps"]
 
 PAGE = mmap.PAGESIZE
+_PRESENT = 1 << 63
 _SWAPPED = 1 << 62
 _FILE_OR_SHARED = 1 << 61
 
@@ -71,17 +70,25 @@ def read_maps(text: str | None = None) -> list[Mapping]:
     return mappings
 
 
-def _written_pages(pagemap: int, start: int, end: int) -> torch.Tensor:
-    """A bool per page of ``[start, end)``: whether copy-on-write replaced it (its bytes may differ from the file's)."""
+def _written_flags() -> bytes:
+    """A ``bytes.translate`` table from the top byte of a pagemap entry (bits 56-63) to 1 if copy-on-write replaced
+    the page (present and not file-backed, or swapped: only anonymous pages swap), else 0."""
+    present, swapped, file_page = _PRESENT >> 56, _SWAPPED >> 56, _FILE_OR_SHARED >> 56
+    return bytes(int(bool(b & swapped) or (bool(b & present) and not b & file_page)) for b in range(256))
+
+
+_WRITTEN = _written_flags()
+
+
+def _written_pages(pagemap: int, start: int, end: int) -> bytes:
+    """A byte per page of ``[start, end)``: 1 where copy-on-write replaced it (its bytes may differ from the file's).
+
+    Plain bytes operations (no torch, no threads): this runs in forked children too."""
     first, count = start // PAGE, (end + PAGE - 1) // PAGE - start // PAGE
     raw = os.pread(pagemap, 8 * count, 8 * first)
     if len(raw) != 8 * count:
         raise OSError("short read of /proc/self/pagemap")
-    entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
-    present = entries < 0  # bit 63, the sign bit
-    swapped = (entries & _SWAPPED) != 0
-    file_page = (entries & _FILE_OR_SHARED) != 0
-    return swapped | (present & ~file_page)
+    return raw[7::8].translate(_WRITTEN)  # entries are little-endian: byte 7 holds bits 56-63
 
 
 def file_ranges(views: Sequence[memoryview]) -> tuple[list[FileRange | None], list[int]]:
@@ -103,7 +110,7 @@ def file_ranges(views: Sequence[memoryview]) -> tuple[list[FileRange | None], li
     if not any(found):
         return [None] * len(views), []
 
-    written: dict[Mapping, torch.Tensor] = {}
+    written: dict[Mapping, bytes] = {}
     fds: list[int] = []
     file_index: dict[tuple[int, int], int | None] = {}
     ranges: list[FileRange | None] = []
@@ -125,7 +132,7 @@ def file_ranges(views: Sequence[memoryview]) -> tuple[list[FileRange | None], li
                 written[mapping] = _written_pages(pagemap, mapping.start, mapping.end)
             first = (address - mapping.start) // PAGE
             last = (address + view.nbytes - 1 - mapping.start) // PAGE
-            if bool(written[mapping][first : last + 1].any()):
+            if written[mapping].find(1, first, last + 1) != -1:
                 ranges.append(None)  # the loader wrote to it: copy the bytes it holds now
                 continue
             ranges.append(FileRange(index, mapping.offset + address - mapping.start))

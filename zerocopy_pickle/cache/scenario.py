@@ -60,10 +60,10 @@ def _run_steps(mode: str, variant: str, paths: dict[str, str], dtype_name: str) 
     """One run, in this process: the four loads and the touch, each timed."""
     import torch
 
-    if mode == "cache":
+    if mode in ("cache", "autostart"):  # autostart: no server runs yet, the first patched call starts one
         from . import patch_all
 
-        patch_all(autostart=False)
+        patch_all(autostart=mode == "autostart")
     from diffusers import AutoencoderKL, ControlNetModel, StableDiffusionControlNetPipeline
     from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
 
