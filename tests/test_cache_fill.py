@@ -26,6 +26,9 @@ import json, os, sys, warnings
 warnings.simplefilter("always")
 import torch
 from zerocopy_pickle import cache
+from zerocopy_pickle.cache import client
+if sys.argv[4] == "thread":  # as where CUDA is initialized: captured in the calling thread, sent by another
+    client._fork_is_safe = lambda: False
 cache.patch_all(autostart=sys.argv[2] == "autostart")
 from transformers import GPT2LMHeadModel
 model = GPT2LMHeadModel.from_pretrained(sys.argv[1])
@@ -65,7 +68,7 @@ def server() -> Iterator[ServerProcess]:
 def test_first_call_with_no_server_loads_here_and_fills_the_cache(gpt2: str, plain_sum: float) -> None:
     with private_dir() as directory:
         env = {"ZEROCOPY_PICKLE_CACHE_DIR": str(directory), "PYTHONPATH": str(REPO)}
-        first = run_python(CLIENT, gpt2, "autostart", "keep", env=env)
+        first = run_python(CLIENT, gpt2, "autostart", "keep", "fork", env=env)
         try:
             result = json.loads(first.stdout.strip().splitlines()[-1])
             assert result["sum"] == plain_sum
@@ -76,7 +79,8 @@ def test_first_call_with_no_server_loads_here_and_fills_the_cache(gpt2: str, pla
                 status = client.request({"op": "status"})[0]["status"]
             assert (status["hits"], status["misses"], len(status["entries"])) == (0, 0, 1)
             assert status["loader_pid"] is None
-            second = json.loads(run_python(CLIENT, gpt2, "autostart", "keep", env=env).stdout.strip().splitlines()[-1])
+            second = run_python(CLIENT, gpt2, "autostart", "keep", "fork", env=env)
+            second = json.loads(second.stdout.strip().splitlines()[-1])
             assert second["sum"] == plain_sum and second["key"] == result["key"]
             with Client(directory / "server.sock", timeout=30) as client:
                 status = client.request({"op": "status"})[0]["status"]
@@ -86,25 +90,27 @@ def test_first_call_with_no_server_loads_here_and_fills_the_cache(gpt2: str, pla
                 client.request({"op": "stop"})
 
 
+@pytest.mark.parametrize("how", ["fork", "thread"])
 def test_a_miss_loads_in_the_caller_and_the_next_process_hits(
-    server: ServerProcess, gpt2: str, plain_sum: float
+    server: ServerProcess, gpt2: str, plain_sum: float, how: str
 ) -> None:
-    first = run_client(server, CLIENT, gpt2, "no-autostart", "keep")
+    first = run_client(server, CLIENT, gpt2, "no-autostart", "keep", how)
     assert first["sum"] == plain_sum and first["key"] is not None
     status = server.status()
     assert (status["hits"], status["misses"], len(status["entries"])) == (0, 1, 1)
     assert status["loader_pid"] is None  # no zygote was started for it
-    second = run_client(server, CLIENT, gpt2, "no-autostart", "keep")
+    second = run_client(server, CLIENT, gpt2, "no-autostart", "keep", how)
     assert second["sum"] == plain_sum and second["key"] == first["key"]
     assert server.status()["hits"] == 1
 
 
+@pytest.mark.parametrize("how", ["fork", "thread"])
 def test_what_the_caller_changes_after_the_call_stays_out_of_the_entry(
-    server: ServerProcess, gpt2: str, plain_sum: float
+    server: ServerProcess, gpt2: str, plain_sum: float, how: str
 ) -> None:
-    changed = run_client(server, CLIENT, gpt2, "no-autostart", "change")
+    changed = run_client(server, CLIENT, gpt2, "no-autostart", "change", how)
     assert changed["sum"] == plain_sum  # computed before the change
-    hit = run_client(server, CLIENT, gpt2, "no-autostart", "keep")
+    hit = run_client(server, CLIENT, gpt2, "no-autostart", "keep", how)
     assert server.status()["hits"] == 1
     assert hit["sum"] == plain_sum  # the weights as loaded, not as the first process changed them
 
