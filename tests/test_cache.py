@@ -218,7 +218,7 @@ print(json.dumps({"loads": out}))""",
     assert status["total_bytes"] < status["logical_bytes"] // 10  # (what a loader did compute is copied)
 
 
-def test_checkpoint_rewritten_in_place_is_not_served_stale(
+def test_checkpoint_rewritten_in_place_with_its_mtime_restored_is_a_miss(
     server: ServerProcess, models: dict[str, str], tmp_path: Path
 ) -> None:
     from safetensors.torch import load_file, save
@@ -233,16 +233,17 @@ def test_checkpoint_rewritten_in_place_is_not_served_stale(
     data = save(state, metadata={"format": "pt"})
     info = checkpoint.stat()
     assert len(data) == info.st_size
-    with open(checkpoint, "r+b") as f:  # in place, same size, and the modification time put back: same key
+    with open(checkpoint, "r+b") as f:  # in place, same size, and the modification time put back (rsync -t)
         f.write(data)
     os.utime(checkpoint, ns=(info.st_atime_ns, info.st_mtime_ns))
+    assert checkpoint.stat().st_mtime_ns == info.st_mtime_ns and checkpoint.stat().st_ino == info.st_ino
     after = run_client(server, GPT2_CLIENT, str(folder))["loads"][0]
-    assert after["key"] == before["key"] and after["sum"] != before["sum"]
+    assert after["key"] != before["key"] and after["sum"] != before["sum"]  # the ctime changed: a new key
     with torch.no_grad():
         expected = GPT2LMHeadModel.from_pretrained(folder)(torch.tensor([[1, 2, 3, 4]])).logits
     assert after["sum"] == pytest.approx(float(expected.double().sum()), rel=1e-12)
     status = server.status()
-    assert status["stale"] == 1 and status["misses"] == 2
+    assert status["misses"] == 2 and status["hits"] == 0
 
 
 def test_sixteen_clients_twenty_loads_each(server: ServerProcess, models: dict[str, str]) -> None:

@@ -145,9 +145,13 @@ def test_key_follows_file_changes(tmp_path: Path) -> None:
     assert describe(point, None, (str(checkpoint),), {})["key"] == first  # stable
     before = weights.stat()
     weights.write_bytes(b"two")  # same size, same inode
-    # The key is each file's size, mtime and inode, never its bytes: with the mtime put back, the same key.
+    # The key is each file's size, mtime, ctime and inode, never its bytes: with the mtime put back, the ctime
+    # (which nobody can set back) still changed, and so did the key.
     os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert describe(point, None, (str(checkpoint),), {})["key"] == first
+    assert weights.stat().st_mtime_ns == before.st_mtime_ns and weights.stat().st_ctime_ns != before.st_ctime_ns
+    second = describe(point, None, (str(checkpoint),), {})["key"]
+    assert second != first
+    assert describe(point, None, (str(checkpoint),), {})["key"] == second  # stable again
     # A new mtime, set rather than waited for (a file system's timestamp granularity can be coarse).
     os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
     assert describe(point, None, (str(checkpoint),), {})["key"] != first

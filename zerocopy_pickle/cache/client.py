@@ -100,13 +100,20 @@ class _ArgumentPickler(entries.RefPickler):
         return super().reducer_override(obj)
 
 
+def _stat_row(st: os.stat_result) -> list[int]:
+    """A file's identity as a fingerprint row holds it: size, mtime, ctime (ns), inode, device."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
 def _fingerprint(path: str) -> list[Any]:
-    """What identifies a local file or directory's contents: sizes, modification times and inodes of every
-    file in it (through symlinks, as a loader reads them)."""
+    """What identifies a local file or directory's contents: sizes, modification and change times and inodes of
+    every file in it (through symlinks, as a loader reads them). The change time (ctime) is there because a
+    rewrite in place that puts the modification time back (``rsync --inplace -t``, ``cp -p``) still sets it, and
+    nobody can set it back."""
     root = Path(path)
     if root.is_file():
         st = root.stat()
-        return [["", st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]]
+        return [["", *_stat_row(st)]]
     rows = []
     for directory, _, files in os.walk(root):
         for name in files:
@@ -115,7 +122,7 @@ def _fingerprint(path: str) -> list[Any]:
                 st = file.stat()
             except OSError:
                 continue
-            rows.append([str(file.relative_to(root)), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev])
+            rows.append([str(file.relative_to(root)), *_stat_row(st)])
             if len(rows) > MAX_FINGERPRINT_FILES:
                 raise Uncacheable(f"{path} holds more than {MAX_FINGERPRINT_FILES} files")
     return sorted(rows)
@@ -153,7 +160,7 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
 
     The key is a BLAKE2b digest of: the patched function and the class it was called on; the arguments as
     pickled, with cached objects replaced by their entries' keys; a fingerprint of every local file or directory
-    an argument names (size, mtime, inode of each file: a changed checkpoint is a different key); and the
+    an argument names (size, mtime, ctime, inode of each file: a changed checkpoint is a different key); and the
     versions of zerocopy_pickle, torch and the loader's library.
 
     Raises:
