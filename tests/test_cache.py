@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -244,6 +245,46 @@ def test_checkpoint_rewritten_in_place_with_its_mtime_restored_is_a_miss(
     assert after["sum"] == pytest.approx(float(expected.double().sum()), rel=1e-12)
     status = server.status()
     assert status["misses"] == 2 and status["hits"] == 0
+
+
+VAE_CLIENT = """
+import json, sys
+import torch
+from zerocopy_pickle import cache
+cache.patch_all(autostart=False)
+from diffusers import AutoencoderKL
+vae = AutoencoderKL.from_pretrained(sys.argv[1], subfolder="vae")
+print(json.dumps({"weights": sum(float(p.double().sum()) for p in vae.parameters()), "key": cache.cached_key(vae)}))
+"""
+
+
+def test_a_repointed_symlinked_subfolder_is_a_miss(
+    server: ServerProcess, models: dict[str, str], tmp_path: Path
+) -> None:
+    from diffusers import AutoencoderKL
+
+    # A pipeline folder whose vae is a link to a shared folder (vae -> /shared/vae), as users share components.
+    pipeline, shared = tmp_path / "pipeline", tmp_path / "shared"
+    shutil.copytree(models["pipeline"], pipeline)
+    shared.mkdir()
+    (pipeline / "vae").rename(shared / "vae-a")
+    vae_b = AutoencoderKL.from_pretrained(shared / "vae-a")
+    with torch.no_grad():
+        for parameter in vae_b.parameters():
+            parameter.mul_(1.5)
+    vae_b.save_pretrained(shared / "vae-b")
+    expected_b = sum(float(p.double().sum()) for p in vae_b.parameters())
+    (pipeline / "vae").symlink_to(shared / "vae-a")
+    (pipeline / "loop").symlink_to(pipeline)  # a cycle in the model folder: keyed all the same, without hanging
+    first = run_client(server, VAE_CLIENT, str(pipeline))
+    assert run_client(server, VAE_CLIENT, str(pipeline)) == {**first, "stderr": ANY}
+    assert (server.status()["hits"], server.status()["misses"]) == (1, 1)
+    (pipeline / "vae").unlink()
+    (pipeline / "vae").symlink_to(shared / "vae-b")  # re-pointed at another VAE of the same shapes
+    after = run_client(server, VAE_CLIENT, str(pipeline))
+    assert after["key"] != first["key"]
+    assert after["weights"] == pytest.approx(expected_b, rel=1e-9) and after["weights"] != first["weights"]
+    assert (server.status()["hits"], server.status()["misses"]) == (1, 2)
 
 
 def test_sixteen_clients_twenty_loads_each(server: ServerProcess, models: dict[str, str]) -> None:

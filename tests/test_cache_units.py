@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import run_python
 from zerocopy_pickle import arena
 from zerocopy_pickle.cache import filebacked, loader, protocol
-from zerocopy_pickle.cache.client import describe
+from zerocopy_pickle.cache.client import _fingerprint, describe
 from zerocopy_pickle.cache.messages import BufferRow
 from zerocopy_pickle.cache.store import Entry, Store
 
@@ -156,6 +156,30 @@ def test_key_follows_file_changes(tmp_path: Path) -> None:
     os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
     assert describe(point, None, (str(checkpoint),), {})["key"] != first
     assert describe(point, None, (str(checkpoint),), {"mmap": True})["key"] != first
+
+
+def test_symlinked_subfolders_are_followed_and_cycles_are_not(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    for name, data in (("vae-a", b"aaaa"), ("vae-b", b"bbbb")):
+        (shared / name).mkdir(parents=True)
+        (shared / name / "weights.bin").write_bytes(data)
+    model = tmp_path / "pipeline"
+    model.mkdir()
+    (model / "model_index.json").write_text("{}")
+    (model / "vae").symlink_to(shared / "vae-a")
+    (model / "also-vae").symlink_to(shared / "vae-a")  # the same folder twice (not a cycle): both rows
+    (model / "vae" / "loop").symlink_to(model)  # a cycle through the link: not followed again
+    (model / "self").symlink_to(".")
+    rows = _fingerprint(str(model))
+    names = [row[0] for row in rows]
+    assert names == sorted(["also-vae/weights.bin", "model_index.json", "vae/weights.bin"])
+    vae_row = rows[names.index("vae/weights.bin")]
+    assert vae_row[4] == (shared / "vae-a" / "weights.bin").stat().st_ino  # the identity of the file it leads to
+    point = "torch.serialization:load"
+    first = describe(point, None, (str(model),), {})["key"]
+    (model / "vae").unlink()
+    (model / "vae").symlink_to(shared / "vae-b")  # re-pointed: same names and sizes, another folder
+    assert describe(point, None, (str(model),), {})["key"] != first
 
 
 def test_learnable_modules() -> None:

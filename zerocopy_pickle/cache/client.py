@@ -15,6 +15,7 @@ import json
 import os
 import queue
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -107,24 +108,49 @@ def _stat_row(st: os.stat_result) -> list[int]:
 
 def _fingerprint(path: str) -> list[Any]:
     """What identifies a local file or directory's contents: sizes, modification and change times and inodes of
-    every file in it (through symlinks, as a loader reads them). The change time (ctime) is there because a
-    rewrite in place that puts the modification time back (``rsync --inplace -t``, ``cp -p``) still sets it, and
-    nobody can set it back."""
+    every file in it, through symlinks as a loader reads them (a file's link to a blob, a ``vae`` subfolder that
+    is a link to ``/shared/vae``: rows name each file by its path under ``path``, and hold the identity of the file
+    it leads to, so re-pointing a link changes the key). A link back to a directory above it (a cycle) is not
+    followed again. The change time (ctime) is there because a rewrite in place that puts the modification time
+    back (``rsync --inplace -t``, ``cp -p``) still sets it, and nobody can set it back.
+
+    Raises:
+        Uncacheable: the folder holds more than :data:`MAX_FINGERPRINT_FILES` files and folders.
+    """
     root = Path(path)
     if root.is_file():
         st = root.stat()
         return [["", *_stat_row(st)]]
-    rows = []
-    for directory, _, files in os.walk(root):
-        for name in files:
-            file = Path(directory, name)
+    rows: list[Any] = []
+    seen = 0
+    # Depth first, each folder with the (device, inode) of the folders above it: a link to one of those is a cycle.
+    try:
+        top = root.stat()
+    except OSError:
+        return rows
+    stack: list[tuple[Path, str, frozenset[tuple[int, int]]]] = [(root, "", frozenset({(top.st_dev, top.st_ino)}))]
+    while stack:
+        directory, prefix, above = stack.pop()
+        try:
+            with os.scandir(directory) as listing:
+                children = list(listing)
+        except OSError:
+            continue
+        for child in children:
+            seen += 1
+            if seen > MAX_FINGERPRINT_FILES:
+                raise Uncacheable(f"{path} holds more than {MAX_FINGERPRINT_FILES} files and folders")
+            name = prefix + child.name
             try:
-                st = file.stat()
+                st = child.stat()  # through a link
             except OSError:
-                continue
-            rows.append([str(file.relative_to(root)), *_stat_row(st)])
-            if len(rows) > MAX_FINGERPRINT_FILES:
-                raise Uncacheable(f"{path} holds more than {MAX_FINGERPRINT_FILES} files")
+                continue  # a dangling link: nothing a loader could read
+            if stat.S_ISDIR(st.st_mode):
+                identity = (st.st_dev, st.st_ino)
+                if identity not in above:
+                    stack.append((Path(child.path), name + os.sep, above | {identity}))
+            elif stat.S_ISREG(st.st_mode):
+                rows.append([name, *_stat_row(st)])
     return sorted(rows)
 
 
