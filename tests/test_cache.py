@@ -287,6 +287,28 @@ def test_a_repointed_symlinked_subfolder_is_a_miss(
     assert (server.status()["hits"], server.status()["misses"]) == (1, 2)
 
 
+def test_relative_paths_resolve_in_each_callers_directory(server: ServerProcess, tmp_path: Path) -> None:
+    code = """
+import json, torch
+from zerocopy_pickle import cache
+cache.patch_all(autostart=False)
+state = torch.load("model.pt", weights_only=True)
+print(json.dumps({"w": state["w"].tolist()}))
+"""
+    projects = {}
+    for number in (1, 2):
+        project = projects[number] = tmp_path / f"project-{number}"
+        project.mkdir()
+        torch.save({"w": torch.full((4,), float(number))}, project / "model.pt")
+    for _ in range(2):  # a miss then a hit in each folder, from one server started elsewhere
+        for number, project in projects.items():
+            result = run_client(server, code, cwd=project)
+            assert result["w"] == [float(number)] * 4, result["stderr"]
+            assert "CacheWarning" not in result["stderr"]
+    status = server.status()
+    assert (status["hits"], status["misses"], len(status["entries"])) == (2, 2, 2)
+
+
 def test_sixteen_clients_twenty_loads_each(server: ServerProcess, models: dict[str, str]) -> None:
     # The reference is a plain load (a miss is answered from the stored entry, as the hits are); every hit then
     # gives the miss's result exactly.

@@ -14,7 +14,7 @@ from tests.conftest import run_python
 from zerocopy_pickle import arena
 from zerocopy_pickle.cache import filebacked, loader, protocol
 from zerocopy_pickle.cache.client import _fingerprint, describe
-from zerocopy_pickle.cache.messages import BufferRow
+from zerocopy_pickle.cache.messages import BufferRow, Get
 from zerocopy_pickle.cache.store import Entry, Store
 
 
@@ -180,6 +180,18 @@ def test_symlinked_subfolders_are_followed_and_cycles_are_not(tmp_path: Path) ->
     (model / "vae").unlink()
     (model / "vae").symlink_to(shared / "vae-b")  # re-pointed: same names and sizes, another folder
     assert describe(point, None, (str(model),), {})["key"] != first
+
+
+def test_requests_carry_the_callers_working_directory_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    get = describe("torch.serialization:load", None, ("model.pt",), {})["get"]
+    assert get.cwd == str(tmp_path)
+    header = get.encode()
+    assert Get.decode(header).cwd == str(tmp_path)
+    for bad in ("relative/dir", "", 3, ["/"], "/a\0b", "/" + "x" * 5000):
+        with pytest.raises(protocol.ProtocolError, match="absolute path"):
+            Get.decode({**header, "cwd": bad})
+    assert Get.decode({**header, "cwd": None}).cwd is None
 
 
 def test_learnable_modules() -> None:

@@ -170,6 +170,15 @@ def _local_paths(value: Any, found: dict[str, list[Any]], depth: int = 0) -> Non
             _local_paths(item, found, depth + 1)
 
 
+def _working_directory() -> str | None:
+    """This process's working directory, where the call's relative paths resolve (None if it is gone)."""
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        return None
+    return cwd if cwd.startswith("/") and "\0" not in cwd and len(cwd) <= 4096 else None
+
+
 @functools.cache
 def _library_version(module: str) -> str:
     """The installed version of ``module``'s distribution (looked up once per process: reading the metadata
@@ -224,6 +233,7 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
             Call(point, owner, pickler.ref_keys),
             f"{name}({os.fspath(shown)!r}{', ...' if len(args) + len(kwargs) > 1 else ''})",
             entries.plugin_list(pickler.plugins_used),
+            _working_directory(),
         ),
         "key": key,
         "payload": stream,

@@ -144,6 +144,15 @@ def _ints(value: Any, name: str, what: str, limit: int) -> list[int]:
     return list(value)
 
 
+def _directory(value: Any, name: str, what: str) -> str | None:
+    """An absolute path of a directory (or None): where a call's relative paths resolve."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith("/") or len(value) > 4096 or "\0" in value:
+        raise ProtocolError(f"{what}: field {name!r} is not an absolute path")
+    return value
+
+
 # -- requests (client -> server) ---------------------------------------------------------------------------------
 
 
@@ -201,18 +210,20 @@ class Stop(Ping):
 
 @dataclass(frozen=True)
 class Get:
-    """Serve a call: its key, what to run on a miss, a description for status, and the plugins its pickled
-    arguments (the payload) need."""
+    """Serve a call: its key, what to run on a miss, a description for status, the plugins its pickled
+    arguments (the payload) need, and the caller's working directory (absolute: relative paths among the
+    arguments mean what they mean there)."""
 
     OP: ClassVar[str] = "get"
     key: str
     call: Call
     describe: str = ""
     plugins: list[tuple[str, str]] = field(default_factory=list)
+    cwd: str | None = None
 
     def encode(self) -> dict[str, Any]:
         return {"op": self.OP, "key": self.key, "call": self.call.encode(), "describe": self.describe,
-                "plugins": [list(p) for p in self.plugins]}  # fmt: skip
+                "plugins": [list(p) for p in self.plugins], "cwd": self.cwd}  # fmt: skip
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Get:
@@ -226,6 +237,7 @@ class Get:
             Call.decode(header.get("call"), what),
             describe if isinstance(describe, str) else "",
             decode_plugins(header.get("plugins", []), what),
+            _directory(header.get("cwd"), "cwd", what),
         )
 
 
@@ -435,7 +447,8 @@ class JobRef:
 class Job:
     """A miss for the loader: the call and the plugins its arguments need, the entries it references (their
     parts, then the call's arguments, are the payload), the segments sent with it (fds after the result socket),
-    a deduplication index ``(digest, segment, offset, nbytes)``, and whether checkpoint files may be referenced."""
+    a deduplication index ``(digest, segment, offset, nbytes)``, whether checkpoint files may be referenced, and
+    the directory the call runs in (the caller's working directory; None: the server's)."""
 
     OP: ClassVar[str] = "load"
     call: Call
@@ -444,11 +457,13 @@ class Job:
     segments: list[int]
     index: list[tuple[str, int, int, int]]
     file_segments: bool = True
+    workdir: str | None = None
 
     def encode(self) -> dict[str, Any]:
         return {"op": self.OP, "call": self.call.encode(), "plugins": [list(p) for p in self.plugins],
                 "refs": [ref.encode() for ref in self.refs], "segments": list(self.segments),
-                "index": [list(row) for row in self.index], "file_segments": self.file_segments}  # fmt: skip
+                "index": [list(row) for row in self.index], "file_segments": self.file_segments,
+                "workdir": self.workdir}  # fmt: skip
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Job:
@@ -470,6 +485,7 @@ class Job:
             _ints(header.get("segments"), "segments", what, MAX_FDS),
             rows,
             bool(header.get("file_segments", True)),
+            _directory(header.get("workdir"), "workdir", what),
         )
 
 

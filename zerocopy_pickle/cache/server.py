@@ -322,7 +322,7 @@ class Server:
         ]
         blob = b"".join(part for e in closure for part in (e.args, e.stream)) + payload
         job = Job(request.call, request.plugins, job_refs, ids, [row for row in index if row[1] in ids],
-                  self.file_segments)  # fmt: skip
+                  self.file_segments, request.cwd)  # fmt: skip
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with ours:
             with self.store.lock:
