@@ -309,6 +309,87 @@ print(json.dumps({"w": state["w"].tolist()}))
     assert (status["hits"], status["misses"], len(status["entries"])) == (2, 2, 2)
 
 
+HUB_CLIENT = """
+import json, sys, warnings
+warnings.simplefilter("always")
+from zerocopy_pickle import cache
+cache.patch_all(autostart=False)
+from transformers import GPT2LMHeadModel
+out = []
+for name in sys.argv[1:]:
+    try:
+        model = GPT2LMHeadModel.from_pretrained(name)
+    except Exception as e:
+        out.append({"error": type(e).__name__})
+    else:
+        out.append({"weights": sum(float(p.double().sum()) for p in model.parameters()),
+                    "key": cache.cached_key(model)})
+print(json.dumps({"loads": out}))
+"""
+
+
+def hub_cache_with_two_commits(root: Path) -> tuple[Path, dict[str, float]]:
+    """A local Hub cache as huggingface_hub lays it out, made by hand: ``models--org--tiny`` with two commits of a
+    tiny GPT-2 (one of real files, one of symlinks to ``blobs/``), ``refs/main`` at the first. Returns the cache
+    and each commit's parameter sum."""
+    import hashlib
+
+    from transformers import GPT2LMHeadModel
+
+    repo = root / "models--org--tiny"
+    commits = {hashlib.sha1(name.encode()).hexdigest(): seed for seed, name in enumerate(["a", "b"])}
+    sums = {}
+    for commit, seed in commits.items():
+        snapshot = repo / "snapshots" / commit
+        if seed == 0:
+            build_gpt2(snapshot, seed=seed)
+        else:
+            staged = build_gpt2(root / "staged", seed=seed)
+            snapshot.mkdir(parents=True)
+            (repo / "blobs").mkdir(exist_ok=True)
+            for file in Path(staged).iterdir():
+                blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+                file.rename(blob)
+                (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob.name))
+        model = GPT2LMHeadModel.from_pretrained(snapshot)
+        sums[commit] = sum(float(p.detach().double().sum()) for p in model.parameters())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(next(iter(commits)))
+    return root, sums
+
+
+def test_hub_ids_resolve_to_the_commit_their_ref_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hub, sums = hub_cache_with_two_commits(tmp_path / "hub")
+    commit_a, commit_b = sums
+    assert sums[commit_a] != sums[commit_b]
+    # The server has no HF_HUB_CACHE of its own (an autostarted server inherits the first client's): the loader
+    # reads the commit the caller's key names, in the caller's Hub cache.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    with private_dir() as directory:
+        server = ServerProcess(directory)
+        try:
+            first = run_client(server, HUB_CLIENT, "org/tiny", HF_HUB_CACHE=str(hub))["loads"][0]
+            second = run_client(server, HUB_CLIENT, "org/tiny", HF_HUB_CACHE=str(hub))["loads"][0]
+            assert first["weights"] == pytest.approx(sums[commit_a], rel=1e-9)
+            assert (second["weights"], second["key"]) == (first["weights"], first["key"])
+            assert (server.status()["hits"], server.status()["misses"]) == (1, 1)
+            (hub / "models--org--tiny" / "refs" / "main").write_text(commit_b)  # main moved on
+            moved = run_client(server, HUB_CLIENT, "org/tiny", HF_HUB_CACHE=str(hub))["loads"][0]
+            assert moved["key"] != first["key"]
+            assert moved["weights"] == pytest.approx(sums[commit_b], rel=1e-9)
+            assert (server.status()["hits"], server.status()["misses"]) == (1, 2)
+            # A repository the local cache does not hold: which commit it names cannot be known offline. The call
+            # is loaded directly (here the library's own error), warned about once, and not cached.
+            absent = run_client(server, HUB_CLIENT, "org/absent", "org/absent", HF_HUB_CACHE=str(hub))
+            assert absent["loads"] == [{"error": "OSError"}] * 2
+            assert absent["stderr"].count("CacheWarning") == 1 and "cannot be known offline" in absent["stderr"]
+            status = server.status()
+            assert (status["hits"], status["misses"], len(status["entries"])) == (1, 2, 2)
+        finally:
+            server.stop()
+
+
 def test_sixteen_clients_twenty_loads_each(server: ServerProcess, models: dict[str, str]) -> None:
     # The reference is a plain load (a miss is answered from the stored entry, as the hits are); every hit then
     # gives the miss's result exactly.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from tests.conftest import run_python
 from zerocopy_pickle import arena
 from zerocopy_pickle.cache import filebacked, loader, protocol
-from zerocopy_pickle.cache.client import _fingerprint, describe
+from zerocopy_pickle.cache.client import Uncacheable, _fingerprint, describe
 from zerocopy_pickle.cache.messages import BufferRow, Get
 from zerocopy_pickle.cache.store import Entry, Store
 
@@ -192,6 +193,44 @@ def test_requests_carry_the_callers_working_directory_absolute(tmp_path: Path, m
         with pytest.raises(protocol.ProtocolError, match="absolute path"):
             Get.decode({**header, "cwd": bad})
     assert Get.decode({**header, "cwd": None}).cwd is None
+
+
+def test_hub_ids_key_on_the_commit_and_its_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # where no "org/tiny" folder exists
+    repo = tmp_path / "hub" / "models--org--tiny"
+    commits = ["a" * 40, "b" * 40]
+    for commit in commits:
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text(commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commits[0] + "\n")
+    point = "transformers.modeling_utils:PreTrainedModel.from_pretrained"
+
+    def request(**kwargs: object) -> dict[str, object]:
+        return describe(point, None, ("org/tiny",), {"cache_dir": str(tmp_path / "hub"), **kwargs})
+
+    first = request()
+    assert first["key"] == request()["key"]
+    assert request(revision=commits[0])["key"] != first["key"]  # another revision, the same commit: keyed apart
+    # The loader is told the commit and the cache the key names.
+    args, kwargs = pickle.loads(first["payload"])
+    assert args == ("org/tiny",) and kwargs == {"revision": commits[0], "cache_dir": str(tmp_path / "hub")}
+    (repo / "snapshots" / commits[0] / "config.json").write_text("c" * 40)  # the snapshot's files changed
+    assert request()["key"] != first["key"]
+    (repo / "refs" / "main").write_text(commits[1])
+    moved = pickle.loads(request()["payload"])[1]
+    assert moved["revision"] == commits[1]
+    for bad in ({"revision": "v1"}, {"revision": "../refs/main"}, {"revision": "f" * 40}):
+        with pytest.raises(Uncacheable):
+            request(**bad)  # no such ref, not a ref name, no such snapshot
+    (repo / "refs" / "v2").write_text("not a commit")
+    with pytest.raises(Uncacheable, match="commit"):
+        request(revision="v2")
+    with pytest.raises(Uncacheable, match="cannot be known offline"):
+        describe(point, None, ("org/absent",), {"cache_dir": str(tmp_path / "hub")})
+    # Not a repository id, or not a from_pretrained: keyed as before, without looking at the Hub cache.
+    assert pickle.loads(describe("torch.serialization:load", None, ("org/absent",), {})["payload"])[1] == {}
+    describe(point, None, ("./not/a/repo",), {})
 
 
 def test_learnable_modules() -> None:

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import queue
+import re
 import socket
 import stat
 import subprocess
@@ -170,6 +171,64 @@ def _local_paths(value: Any, found: dict[str, list[Any]], depth: int = 0) -> Non
             _local_paths(item, found, depth + 1)
 
 
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+HUB_POINTS = ("from_pretrained",)
+"""Patch points whose first argument may be a Hub repository id (resolved to a commit in the local Hub cache)."""
+
+
+def _hub_snapshot(point: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """For a ``from_pretrained`` call whose first argument is a Hub repository id rather than a local path: the
+    repository, revision and commit it resolves to offline, in the local Hub cache (``cache_dir=``, else
+    ``huggingface_hub.constants.HF_HUB_CACHE``: ``HF_HUB_CACHE``, ``HF_HOME``...), and that commit's snapshot
+    folder; None for any other call.
+
+    Raises:
+        Uncacheable: the commit cannot be known offline (the repository or its ``refs/<revision>`` is not in the
+            local cache): the key could not say which weights it names.
+    """
+    if point.rpartition(".")[2] not in HUB_POINTS:
+        return None
+    name = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    if not isinstance(name, str) or not name or len(name) > 200 or os.path.exists(name):
+        return None
+    try:
+        from huggingface_hub import constants
+        from huggingface_hub.utils import validate_repo_id  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        validate_repo_id(name)
+    except ValueError:  # HFValidationError: not a repository id
+        return None
+    revision = kwargs.get("revision") or "main"
+    cache_dir = kwargs.get("cache_dir") or constants.HF_HUB_CACHE
+    if not isinstance(revision, str) or not isinstance(cache_dir, (str, os.PathLike)):
+        raise Uncacheable(f"{name!r}: a revision or cache_dir that is not a string")
+    folder = Path(os.path.abspath(cache_dir), "models--" + name.replace("/", "--"))
+    refs = None
+    if _COMMIT.fullmatch(revision):
+        commit = revision
+    else:
+        parts = revision.split("/")
+        if not all(part and part not in (".", "..") for part in parts):
+            raise Uncacheable(f"{name!r}: the revision {revision!r} is not a branch or tag name")
+        refs = folder.joinpath("refs", *parts)
+        try:
+            commit = refs.read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            raise Uncacheable(
+                f"the Hub repository {name!r} at {revision!r} is not in the local Hub cache ({folder}): which "
+                "commit it names cannot be known offline, so it is not cached"
+            ) from None
+        if not _COMMIT.fullmatch(commit):
+            raise Uncacheable(f"{refs} does not hold a commit hash")
+    snapshot = folder / "snapshots" / commit
+    if not snapshot.is_dir():
+        raise Uncacheable(f"the Hub repository {name!r} has no snapshot of commit {commit} in {folder}")
+    return {"repo": [name, revision, commit], "snapshot": str(snapshot), "refs": str(refs) if refs else None,
+            "cache_dir": str(folder.parent)}  # fmt: skip
+
+
 def _working_directory() -> str | None:
     """This process's working directory, where the call's relative paths resolve (None if it is gone)."""
     try:
@@ -195,12 +254,18 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
 
     The key is a BLAKE2b digest of: the patched function and the class it was called on; the arguments as
     pickled, with cached objects replaced by their entries' keys; a fingerprint of every local file or directory
-    an argument names (size, mtime, ctime, inode of each file: a changed checkpoint is a different key); and the
-    versions of zerocopy_pickle, torch and the loader's library.
+    an argument names (size, mtime, ctime, inode of each file, through symlinked subfolders: a changed checkpoint
+    is a different key); for a ``from_pretrained`` of a Hub repository id, the repository, revision and commit it
+    resolves to in the local Hub cache and the fingerprint of that commit's snapshot (the loader is then called
+    with ``revision=<commit>`` and that ``cache_dir``, so that it reads what the key names); and the versions of
+    zerocopy_pickle, torch and the loader's library.
 
     Raises:
-        Uncacheable: an argument cannot be pickled.
+        Uncacheable: an argument cannot be pickled, or a Hub id's commit cannot be known offline.
     """
+    hub = _hub_snapshot(point, args, kwargs)
+    if hub is not None:  # the loader reads exactly the commit the key names, from the caller's Hub cache
+        kwargs = {**kwargs, "revision": hub["repo"][2], "cache_dir": hub["cache_dir"]}
     out = io.BytesIO()
     pickler = _ArgumentPickler(out)
     try:
@@ -211,7 +276,11 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
         pickler.clear_memo()
     stream = out.getvalue()
     files: dict[str, list[Any]] = {}
-    _local_paths([list(args), kwargs], files)
+    _local_paths([list(args), {k: v for k, v in kwargs.items() if k != "cache_dir"}], files)
+    if hub is not None:
+        for path in (hub["snapshot"], hub["refs"]):
+            if path is not None:
+                files.setdefault(os.path.realpath(path), _fingerprint(path))
     module = point.partition(":")[0]
     import torch
 
@@ -222,6 +291,7 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
         "args": hashlib.blake2b(stream, digest_size=32).hexdigest(),
         "refs": pickler.ref_keys,
         "files": files,
+        "hub": hub["repo"] if hub is not None else None,
         "versions": [__version__, torch.__version__, _library_version(module), sys.version_info[:2]],
     }
     key = hashlib.blake2b(json.dumps(material, sort_keys=True, default=str).encode(), digest_size=20).hexdigest()
