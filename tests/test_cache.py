@@ -390,6 +390,43 @@ def test_hub_ids_resolve_to_the_commit_their_ref_names(tmp_path: Path, monkeypat
             server.stop()
 
 
+def test_a_hit_checks_every_file_its_key_was_computed_from(server: ServerProcess, tmp_path: Path) -> None:
+    code = """
+import dataclasses, json, sys, torch
+from zerocopy_pickle import cache
+from zerocopy_pickle.cache import client
+cache.patch_all(autostart=False)
+if len(sys.argv) > 2:  # a client that could not see the file change: it asks for the key the entry was made under
+    describe = client.describe
+    def same_key(*args, **kwargs):
+        request = describe(*args, **kwargs)
+        request["get"] = dataclasses.replace(request["get"], key=sys.argv[2])
+        return request
+    client.describe = same_key
+state = torch.load(sys.argv[1], weights_only=True)
+print(json.dumps({"w": state["w"].tolist()}))
+"""
+    checkpoint = tmp_path / "state.pt"
+    torch.save({"w": torch.arange(4.0)}, checkpoint)
+    assert run_client(server, code, str(checkpoint))["w"] == [0.0, 1.0, 2.0, 3.0]
+    (key,) = [entry["key"] for entry in server.status()["entries"]]
+    info = checkpoint.stat()
+    rewritten = tmp_path / "next" / "state.pt"  # the same name: torch.save's archive records it
+    rewritten.parent.mkdir()
+    torch.save({"w": torch.arange(4.0) + 10}, rewritten)
+    data = rewritten.read_bytes()
+    assert len(data) == info.st_size
+    with open(checkpoint, "r+b") as f:  # in place, same size, the modification time put back
+        f.write(data)
+    os.utime(checkpoint, ns=(info.st_atime_ns, info.st_mtime_ns))
+    after = run_client(server, code, str(checkpoint), key)
+    assert after["w"] == [10.0, 11.0, 12.0, 13.0], after["stderr"]
+    status = server.status()
+    assert (status["stale"], status["misses"], status["hits"]) == (1, 2, 0)
+    assert run_client(server, code, str(checkpoint), key)["w"] == [10.0, 11.0, 12.0, 13.0]  # the new entry: a hit
+    assert server.status()["hits"] == 1
+
+
 def test_sixteen_clients_twenty_loads_each(server: ServerProcess, models: dict[str, str]) -> None:
     # The reference is a plain load (a miss is answered from the stored entry, as the hits are); every hit then
     # gives the miss's result exactly.

@@ -15,7 +15,7 @@ from tests.conftest import run_python
 from zerocopy_pickle import arena
 from zerocopy_pickle.cache import filebacked, loader, protocol
 from zerocopy_pickle.cache.client import Uncacheable, _fingerprint, describe
-from zerocopy_pickle.cache.messages import BufferRow, Get
+from zerocopy_pickle.cache.messages import BufferRow, FileCheck, Get
 from zerocopy_pickle.cache.store import Entry, Store
 
 
@@ -117,6 +117,36 @@ def test_persistence_round_trip_and_damaged_directory(tmp_path: Path) -> None:
     cold = Store(persist=persist, key_dir=keys)  # damaged: starts cold instead of failing
     assert not cold.entries and not cold.segments and "damaged" in (cold.cold_start or "")
     cold.close()
+
+
+def test_every_file_a_key_was_computed_from_is_checked_on_every_hit(tmp_path: Path) -> None:
+    """An entry keeps the identities of the files its key was computed from; a hit checks them again, and an entry
+    whose files are not what they were is dropped (a miss), even when the request's key is the same (a client
+    that could not see the change, or a change after the key was computed), and across a restart."""
+    weights, other = tmp_path / "weights.bin", tmp_path / "other.bin"
+    weights.write_bytes(b"one")
+    other.write_bytes(b"xyz")
+    persist, keys = tmp_path / "persist", tmp_path / "keys"
+    keys.mkdir(mode=0o700)
+    store = Store(persist=persist, key_dir=keys)
+    for key, file in (("a", weights), ("b", other)):
+        made = entry(key, [(0, 0, 5)])
+        made.files = [FileCheck.of(str(file), file.stat())]
+        store.add(made, sealed_segment(b"hello"))
+    assert store.get("a") is not None and store.get("b") is not None
+    store.close()
+    store = Store(persist=persist, key_dir=keys)  # restarted: the checks were persisted with the entries
+    assert store.entries["a"].files == [FileCheck.of(str(weights), weights.stat())]
+    before = weights.stat()
+    with open(weights, "r+b") as f:  # in place, same size, the modification time put back
+        f.write(b"two")
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert store.get("a") is None and "a" not in store.entries
+    assert (store.stale, store.misses) == (1, 1)
+    assert store.get("b") is not None  # the other entry's file did not change
+    other.unlink()
+    assert store.get("b") is None and store.stale == 2  # a file that is gone
+    store.close()
 
 
 def test_runtime_dir_refuses_unsafe_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,7 +32,7 @@ from .._version import __version__
 from ..loadcore import argument
 from . import entries
 from .isolation import WORKDIR_ENV, child_environment
-from .messages import Call, EntryReply, Failure, Get, Ping
+from .messages import MAX_FILE_CHECKS, Call, EntryReply, Failure, FileCheck, Get, Ping
 from .protocol import CacheError, ProtocolError, receive, runtime_dir, send, socket_path
 
 __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_result"]
@@ -295,6 +295,11 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
         "versions": [__version__, torch.__version__, _library_version(module), sys.version_info[:2]],
     }
     key = hashlib.blake2b(json.dumps(material, sort_keys=True, default=str).encode(), digest_size=20).hexdigest()
+    # The same identities, by the path the loader opens, for the server to check again on every hit.
+    checks = [FileCheck(root if not row[0] else os.path.join(root, row[0]), *row[1:])
+              for root, rows in files.items() for row in rows]  # fmt: skip
+    if len(checks) > MAX_FILE_CHECKS:
+        raise Uncacheable(f"the call's arguments name more than {MAX_FILE_CHECKS} files")
     name = f"{cls.__qualname__}.{point.rpartition('.')[2]}" if cls is not None else point.partition(":")[2]
     shown = next((a for a in args if isinstance(a, (str, os.PathLike))), "")
     return {
@@ -304,6 +309,7 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
             f"{name}({os.fspath(shown)!r}{', ...' if len(args) + len(kwargs) > 1 else ''})",
             entries.plugin_list(pickler.plugins_used),
             _working_directory(),
+            checks,
         ),
         "key": key,
         "payload": stream,

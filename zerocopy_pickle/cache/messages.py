@@ -36,6 +36,7 @@ __all__ = [
     "Done",
     "EntryReply",
     "Failure",
+    "FileCheck",
     "Get",
     "Job",
     "JobRef",
@@ -48,6 +49,7 @@ __all__ = [
     "StatusRequest",
     "Stop",
     "decode_buffer_table",
+    "decode_file_checks",
     "decode_plugins",
     "decode_reply",
     "decode_request",
@@ -112,6 +114,45 @@ def decode_buffer_table(value: Any, what: str = "an entry", *, places: Sequence[
         if row.place not in places:
             raise ProtocolError(f"{what} has a buffer row in a {row.place!r} place, which it may not have")
     return rows
+
+
+MAX_FILE_CHECKS = 4096
+"""Files one request (and its entry) may name for the server to check on every hit."""
+
+
+class FileCheck(NamedTuple):
+    """A file a key was computed from, as the client saw it: its path as the loader opens it (absolute, through
+    symlinks) and the identity :func:`os.stat` gave (size, mtime and ctime in nanoseconds, inode, device)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    ino: int
+    dev: int
+
+    @classmethod
+    def of(cls, path: str, info: Any) -> FileCheck:
+        return cls(path, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev)
+
+
+def decode_file_checks(value: Any, what: str) -> list[FileCheck]:
+    """``[[path, size, mtime_ns, ctime_ns, ino, dev], ...]``: the files a key was computed from."""
+    if not isinstance(value, list) or len(value) > MAX_FILE_CHECKS:
+        raise ProtocolError(f"{what}: its file list is not a list of at most {MAX_FILE_CHECKS} rows")
+    checks = []
+    for row in value:
+        if not (
+            isinstance(row, list)
+            and len(row) == 6
+            and isinstance(row[0], str)
+            and all(type(v) is int for v in row[1:])
+            and min(row[1], row[4], row[5]) >= 0
+        ):
+            raise ProtocolError(f"{what} has a malformed file row: {str(row)[:200]}")
+        _directory(row[0], "files", what)  # an absolute path of bounded length
+        checks.append(FileCheck(*row))
+    return checks
 
 
 def decode_plugins(value: Any, what: str = "an entry") -> list[tuple[str, str]]:
@@ -220,10 +261,12 @@ class Get:
     describe: str = ""
     plugins: list[tuple[str, str]] = field(default_factory=list)
     cwd: str | None = None
+    files: list[FileCheck] = field(default_factory=list)  # what the key was computed from: checked on every hit
 
     def encode(self) -> dict[str, Any]:
         return {"op": self.OP, "key": self.key, "call": self.call.encode(), "describe": self.describe,
-                "plugins": [list(p) for p in self.plugins], "cwd": self.cwd}  # fmt: skip
+                "plugins": [list(p) for p in self.plugins], "cwd": self.cwd,
+                "files": [list(f) for f in self.files]}  # fmt: skip
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Get:
@@ -238,6 +281,7 @@ class Get:
             describe if isinstance(describe, str) else "",
             decode_plugins(header.get("plugins", []), what),
             _directory(header.get("cwd"), "cwd", what),
+            decode_file_checks(header.get("files", []), what),
         )
 
 

@@ -351,7 +351,7 @@ class Server:
         self._teach_zygote(reply.imported)
         timings = {**reply.timings, "server": time.monotonic() - started}
         entry = Entry(key, request.describe or key, stream, reply.buffers, refs, args=payload, timings=timings,
-                      plugins=reply.plugins, args_plugins=request.plugins)  # fmt: skip
+                      plugins=reply.plugins, args_plugins=request.plugins, files=request.files)  # fmt: skip
         new_fd = fds[0] if reply.new_segment else None
         return self.store.add(entry, new_fd, fds[int(reply.new_segment) :])
 

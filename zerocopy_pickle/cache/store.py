@@ -47,13 +47,14 @@ from typing import Any
 
 from .. import arena
 from ..format import align_up, padded_pieces, place_buffers
-from .messages import BufferRow, decode_buffer_table, decode_plugins, encode_buffer_table
+from .messages import BufferRow, FileCheck, decode_buffer_table, decode_file_checks, decode_plugins, encode_buffer_table
 from .protocol import CacheError, ProtocolError, open_private_directory, runtime_dir
 
 __all__ = ["KEY_FILE", "Entry", "Segment", "Store", "persistence_key"]
 
 _INDEX = "index.json"
-_INDEX_VERSION = 3  # 3: typed buffer rows and the plugins entries need; an older index is dropped (cold start)
+_INDEX_VERSION = 4  # 3: typed buffer rows and the plugins entries need; 4: the files each key was computed from
+# (an older index is dropped: cold start)
 KEY_FILE = "persist.key"
 """The persistence key's name in the runtime directory: 32 random bytes, mode 0600, one per user."""
 _KEY_BYTES = 32
@@ -102,6 +103,7 @@ class Entry:
     timings: dict[str, float] = field(default_factory=dict)  # where the loader's time went (seconds)
     plugins: list[tuple[str, str]] = field(default_factory=list)
     args_plugins: list[tuple[str, str]] = field(default_factory=list)
+    files: list[FileCheck] = field(default_factory=list)  # the files its key was computed from, as they were
 
     @property
     def segment_ids(self) -> list[int]:
@@ -115,7 +117,8 @@ class Entry:
         """The entry as the persisted index holds it."""
         return {**asdict(self), "buffers": encode_buffer_table(self.buffers), "stream": self.stream.hex(),
                 "args": self.args.hex(), "plugins": [list(p) for p in self.plugins],
-                "args_plugins": [list(p) for p in self.args_plugins]}  # fmt: skip
+                "args_plugins": [list(p) for p in self.args_plugins],
+                "files": [list(f) for f in self.files]}  # fmt: skip
 
     @classmethod
     def decode(cls, row: Any) -> Entry:
@@ -143,6 +146,7 @@ class Entry:
             {str(k): float(v) for k, v in timings.items()},
             decode_plugins(row["plugins"], what),
             decode_plugins(row["args_plugins"], what),
+            decode_file_checks(row["files"], what),
         )
 
 
@@ -186,10 +190,13 @@ class Store:
 
     def get(self, key: str) -> Entry | None:
         """The entry for ``key`` (marked most recently used, counted as a hit), or None (a miss). An entry whose
-        files changed since it was made is dropped: its key fingerprinted files that are not the same any more."""
+        files changed since it was made is dropped: its key was computed from files that are not the same any
+        more (each file its key fingerprinted is checked again here, as is each checkpoint file it references)."""
         with self.lock:
             entry = self.entries.get(key)
-            if entry is not None and any(self.segments[i].changed() for i in entry.segment_ids):
+            if entry is not None and (
+                _files_changed(entry.files) or any(self.segments[i].changed() for i in entry.segment_ids)
+            ):
                 self._release(self.entries.pop(key))
                 self.stale += 1
                 self._collect_unused()
@@ -723,6 +730,19 @@ def _reopen_file(row: dict[str, Any]) -> Segment | None:
         os.close(fd)
         return None
     return Segment(row["id"], fd, row["nbytes"], kind="file", source=row["source"], identity=identity)
+
+
+def _files_changed(files: Sequence[FileCheck]) -> bool:
+    """Whether any of ``files`` is not what it was (gone, or another size, mtime, ctime, inode or device: a
+    rewrite in place, a replaced file, a re-pointed link, a moved Hub ref)."""
+    for check in files:
+        try:
+            info = os.stat(check.path)
+        except OSError:
+            return True
+        if FileCheck.of(check.path, info) != check:
+            return True
+    return False
 
 
 def _identity(info: os.stat_result) -> tuple[int, ...]:
