@@ -646,6 +646,60 @@ def test_warm_restart_from_persistence(models: dict[str, str], tmp_path: Path) -
             server.stop()
 
 
+SEALS_CLIENT = """
+import fcntl, json, os, sys, torch
+from zerocopy_pickle import arena, cache
+from zerocopy_pickle.cache import client
+cache.patch_all(autostart=False)
+out = {"values": [torch.load(path, weights_only=True)["w"].tolist() for path in sys.argv[1:]]}
+request = client.describe("torch:load", None, (sys.argv[1],), {"weights_only": True})
+with client.Client() as connection:
+    header, _, fds = connection.request(request["get"], request["payload"])
+out["hit"] = header["hit"]
+out["sealed"] = [fcntl.fcntl(fd, fcntl.F_GET_SEALS) & arena.SEALS == arena.SEALS for fd in fds]
+for fd in fds:
+    os.close(fd)
+print(json.dumps(out))
+"""
+
+
+def test_a_persisted_segment_changed_while_stopped_drops_only_its_entry(tmp_path: Path) -> None:
+    persist = tmp_path / "persist"
+    states = {name: torch.arange(256.0) * (index + 1) for index, name in enumerate(["a", "b"])}
+    paths = {}
+    for name, values in states.items():
+        paths[name] = str(tmp_path / f"{name}.pt")
+        torch.save({"w": values}, paths[name])
+    with private_dir() as directory:
+        server = ServerProcess(directory, "--persist", str(persist))
+        try:
+            run_client(server, SEALS_CLIENT, paths["a"], paths["b"])
+            calls = {e["key"]: e["call"] for e in server.status()["entries"]}
+        finally:
+            server.stop()
+        # Which segment holds a.pt's tensor: the index lists each entry's buffers (place, segment, ...).
+        body = json.loads(json.loads((persist / "index.json").read_text())["body"])
+        (entry_a,) = [e for e in body["entries"] if "a.pt" in calls[e["key"]]]
+        (segment_a,) = {row[1] for row in entry_a["buffers"]}
+        segment = persist / f"segment-{segment_a}.bin"
+        data = bytearray(segment.read_bytes())
+        data[-1] ^= 0xFF
+        with open(segment, "r+b") as f:  # in place, same size
+            f.write(data)
+        server = ServerProcess(directory, "--persist", str(persist))
+        try:
+            status = server.status()
+            assert status["persist_cold_start"] is None
+            assert [e["call"] for e in status["entries"]] == [c for c in calls.values() if "b.pt" in c]
+            result = run_client(server, SEALS_CLIENT, paths["b"], paths["a"])  # b: a hit; a: a miss, loaded anew
+            assert result["values"] == [states["b"].tolist(), states["a"].tolist()]
+            assert result["hit"] and result["sealed"] and all(result["sealed"])  # restored: sealed memfds
+            status = server.status()
+            assert (status["hits"], status["misses"]) == (2, 1)
+        finally:
+            server.stop()
+
+
 def test_the_server_refuses_other_users_by_credentials() -> None:
     with private_dir() as directory:
         server = Server(directory / "server.sock")

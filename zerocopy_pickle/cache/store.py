@@ -19,10 +19,11 @@ restarted server starts warm. The directory must be private (:func:`protocol.ope
 files are opened relative to it without following links, and the index is authenticated: an HMAC-SHA256, with
 a per-user key kept in the private runtime directory, over the index, which lists every segment's SHA-256. A
 restart verifies the code, then copies each segment into a new sealed memfd and checks its digest there, so what
-clients map is exactly what was persisted and can no longer change; anything amiss and the server starts cold,
-having unpickled nothing (nothing in the directory is ever unpickled by the server: entries' streams are bytes
-it hands to the user's own clients). This module needs only the standard library (and ``zerocopy_pickle.format`` and
-``arena``, which need nothing else): the server never imports torch.
+clients map is exactly what was persisted and can no longer change; a segment that is missing or not what was
+persisted drops only the entries using it (and those that took them as arguments); anything else amiss and the
+server starts cold, having unpickled nothing (nothing in the directory is ever unpickled by the server: entries'
+streams are bytes it hands to the user's own clients). This module needs only the standard library (and
+``zerocopy_pickle.format`` and ``arena``, which need nothing else): the server never imports torch.
 """
 
 from __future__ import annotations
@@ -551,13 +552,23 @@ class Store:
                     restored = self._restore_segment(row)
                     if restored is not None:
                         self.segments[restored.id] = restored
-                for row in index["entries"]:
-                    entry = Entry.decode(row)
-                    if all(segment in self.segments for segment in entry.segment_ids):
-                        self.entries[entry.key] = entry
-                        for segment_id in entry.segment_ids:
-                            self.segments[segment_id].users += 1
+                listed = [Entry.decode(row) for row in index["entries"]]
+                kept = {e.key: e for e in listed if all(segment in self.segments for segment in e.segment_ids)}
+                while True:  # and whatever references a dropped entry (its arguments), transitively
+                    orphans = [key for key, e in kept.items() if not all(ref in kept for ref in e.refs)]
+                    if not orphans:
+                        break
+                    for key in orphans:
+                        del kept[key]
+                for entry in kept.values():
+                    self.entries[entry.key] = entry
+                    for segment_id in entry.segment_ids:
+                        self.segments[segment_id].users += 1
                 self._collect_unused()
+                if len(kept) < len(listed):
+                    log.warning("zerocopy_pickle cache: %d persisted entries dropped (a segment missing or changed)",
+                                len(listed) - len(kept))  # fmt: skip
+                    self._save_index()
             except (OSError, ValueError, KeyError, TypeError, AttributeError, CacheError) as e:
                 raise _ColdStart(f"the index or a segment is damaged ({type(e).__name__}: {e})") from e
         except _ColdStart as e:
@@ -565,10 +576,11 @@ class Store:
 
     def _restore_segment(self, row: dict[str, Any]) -> Segment | None:
         """A persisted segment copied into a new sealed memfd and checked against its digest there (what clients
-        will map); None if its file is gone (its entries are dropped).
+        will map); None if its file is gone, or is not what was persisted (another size, other bytes: the file is
+        removed): the entries using it are dropped, nothing else.
 
         Raises:
-            _ColdStart: the file is not a private regular file of this user, or its size or digest is wrong.
+            _ColdStart: the file is not a private regular file of this user.
         """
         name = f"segment-{row['id']}.bin"
         nbytes, expected = row["nbytes"], row["sha256"]
@@ -580,19 +592,28 @@ class Store:
             return None
         try:
             if os.fstat(fd).st_size != nbytes:
-                raise _ColdStart(f"persisted segment {name} has the wrong size")
+                self._drop_persisted(name, "has the wrong size")
+                return None
             memfd = arena.create_memfd(f"zerocopy_pickle-cache-{row['id']}")
             try:
                 _send_all(memfd, fd, nbytes)
                 arena.seal(memfd)
-                if not hmac.compare_digest(_digest(memfd, nbytes), expected):
-                    raise _ColdStart(f"persisted segment {name} does not match its digest in the index")
+                matches = hmac.compare_digest(_digest(memfd, nbytes), expected)
             except BaseException:
                 os.close(memfd)
                 raise
+            if not matches:
+                os.close(memfd)
+                self._drop_persisted(name, "does not match its digest in the index")
+                return None
         finally:
             os.close(fd)
         return Segment(row["id"], memfd, nbytes, path=name, sha256=expected)
+
+    def _drop_persisted(self, name: str, why: str) -> None:
+        log.warning("zerocopy_pickle cache: persisted segment %s %s: the entries using it are dropped", name, why)
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=self._dir_fd)
 
     def _start_cold(self, reason: str) -> None:
         self._forget_all()
