@@ -273,7 +273,7 @@ def test_a_repointed_symlinked_subfolder_is_a_miss(
         for parameter in vae_b.parameters():
             parameter.mul_(1.5)
     vae_b.save_pretrained(shared / "vae-b")
-    expected_b = sum(float(p.double().sum()) for p in vae_b.parameters())
+    expected_b = sum(float(p.detach().double().sum()) for p in vae_b.parameters())
     (pipeline / "vae").symlink_to(shared / "vae-a")
     (pipeline / "loop").symlink_to(pipeline)  # a cycle in the model folder: keyed all the same, without hanging
     first = run_client(server, VAE_CLIENT, str(pipeline))
@@ -307,6 +307,22 @@ print(json.dumps({"w": state["w"].tolist()}))
             assert "CacheWarning" not in result["stderr"]
     status = server.status()
     assert (status["hits"], status["misses"], len(status["entries"])) == (2, 2, 2)
+    # A working directory the loader cannot enter: the miss fails (the caller then loads directly); the loader
+    # never falls back to another folder, where "model.pt" could be somebody else's.
+    missing = tmp_path / "gone"
+    code = f"""
+import dataclasses, json, torch
+from zerocopy_pickle.cache import client
+kwargs = {{"weights_only": True, "map_location": "cpu"}}  # not cached yet: a miss
+request = client.describe("torch:load", None, ("model.pt",), kwargs)
+request["get"] = dataclasses.replace(request["get"], cwd={str(missing)!r})
+try:
+    client._fetch(request, ("model.pt",), kwargs, autostart=False)
+except client.CacheError as e:
+    print(json.dumps({{"error": str(e)}}))
+"""
+    result = run_client(server, code, cwd=projects[1])
+    assert "FileNotFoundError" in result["error"] and str(missing) in result["error"]
 
 
 HUB_CLIENT = """
