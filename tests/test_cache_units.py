@@ -15,7 +15,7 @@ from tests.conftest import run_python
 from zerocopy_pickle import arena
 from zerocopy_pickle.cache import filebacked, loader, protocol
 from zerocopy_pickle.cache.client import Uncacheable, _fingerprint, describe
-from zerocopy_pickle.cache.messages import BufferRow, FileCheck, Get
+from zerocopy_pickle.cache.messages import MAX_FILE_CHECKS, BufferRow, FileCheck, Get
 from zerocopy_pickle.cache.store import Entry, Store
 
 
@@ -261,6 +261,18 @@ def test_hub_ids_key_on_the_commit_and_its_snapshot(tmp_path: Path, monkeypatch:
     # Not a repository id, or not a from_pretrained: keyed as before, without looking at the Hub cache.
     assert pickle.loads(describe("torch.serialization:load", None, ("org/absent",), {})["payload"])[1] == {}
     describe(point, None, ("./not/a/repo",), {})
+
+
+def test_a_call_naming_more_files_than_a_request_can_list_is_not_cached(tmp_path: Path) -> None:
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i in range(MAX_FILE_CHECKS):
+        (folder / f"{i}.bin").touch()
+    get = describe("torch.serialization:load", None, (str(folder),), {})["get"]
+    assert len(get.files) == MAX_FILE_CHECKS and len(json.dumps(get.encode())) < protocol.REQUEST.header
+    (folder / "one-more.bin").touch()
+    with pytest.raises(Uncacheable, match="too many files"):
+        describe("torch.serialization:load", None, (str(folder),), {})
 
 
 def test_learnable_modules() -> None:

@@ -33,7 +33,7 @@ from ..loadcore import argument
 from . import entries
 from .isolation import WORKDIR_ENV, child_environment
 from .messages import MAX_FILE_CHECKS, Call, EntryReply, Failure, FileCheck, Get, Ping
-from .protocol import CacheError, ProtocolError, receive, runtime_dir, send, socket_path
+from .protocol import REQUEST, CacheError, ProtocolError, receive, runtime_dir, send, socket_path
 
 __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_result"]
 
@@ -298,8 +298,8 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
     # The same identities, by the path the loader opens, for the server to check again on every hit.
     checks = [FileCheck(root if not row[0] else os.path.join(root, row[0]), *row[1:])
               for root, rows in files.items() for row in rows]  # fmt: skip
-    if len(checks) > MAX_FILE_CHECKS:
-        raise Uncacheable(f"the call's arguments name more than {MAX_FILE_CHECKS} files")
+    if len(checks) > MAX_FILE_CHECKS or len(json.dumps(checks)) > REQUEST.header * 3 // 4:  # as the header holds them
+        raise Uncacheable(f"the call's arguments name too many files (at most {MAX_FILE_CHECKS}, in a request)")
     name = f"{cls.__qualname__}.{point.rpartition('.')[2]}" if cls is not None else point.partition(":")[2]
     shown = next((a for a in args if isinstance(a, (str, os.PathLike))), "")
     return {
