@@ -103,9 +103,12 @@ def private_dir() -> Iterator[Path]:
         shutil.rmtree(parent, ignore_errors=True)
 
 
-def run_client(server: ServerProcess, code: str, *args: str, check: bool = True) -> dict[str, Any]:
-    """Run a client script (it prints one JSON object as its last line) against ``server``."""
-    proc = run_python(code, *args, env=server.env, check=check)
+def run_client(
+    server: ServerProcess, code: str, *args: str, check: bool = True, cwd: Path | None = None, **env: str
+) -> dict[str, Any]:
+    """Run a client script (it prints one JSON object as its last line) against ``server``, in ``cwd`` (default:
+    the repository), with the variables ``env`` added to the server's."""
+    proc = run_python(code, *args, env={**server.env, **env}, check=check, **({"cwd": cwd} if cwd else {}))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
         raise AssertionError(f"the client printed no result:\n{proc.stdout}\n{proc.stderr}")

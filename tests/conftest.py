@@ -55,9 +55,10 @@ def run_python(
     check: bool = True,
     env: dict[str, str] | None = None,
     unset: Iterable[str] = (),
+    cwd: str | os.PathLike[str] = REPO,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh interpreter (same venv), with ``args`` as ``sys.argv[1:]``, the variables in
-    ``unset`` removed from the environment and ``env`` added."""
+    """Run ``code`` in a fresh interpreter (same venv) in ``cwd``, with ``args`` as ``sys.argv[1:]``, the variables
+    in ``unset`` removed from the environment and ``env`` added."""
     removed = set(unset)
     env = {k: v for k, v in os.environ.items() if k not in removed} | {"PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(
@@ -66,7 +67,7 @@ def run_python(
         text=True,
         timeout=timeout,
         env=env,
-        cwd=REPO,
+        cwd=cwd,
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")

@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -218,7 +219,7 @@ print(json.dumps({"loads": out}))""",
     assert status["total_bytes"] < status["logical_bytes"] // 10  # (what a loader did compute is copied)
 
 
-def test_checkpoint_rewritten_in_place_is_not_served_stale(
+def test_checkpoint_rewritten_in_place_with_its_mtime_restored_is_a_miss(
     server: ServerProcess, models: dict[str, str], tmp_path: Path
 ) -> None:
     from safetensors.torch import load_file, save
@@ -233,16 +234,213 @@ def test_checkpoint_rewritten_in_place_is_not_served_stale(
     data = save(state, metadata={"format": "pt"})
     info = checkpoint.stat()
     assert len(data) == info.st_size
-    with open(checkpoint, "r+b") as f:  # in place, same size, and the modification time put back: same key
+    with open(checkpoint, "r+b") as f:  # in place, same size, and the modification time put back (rsync -t)
         f.write(data)
     os.utime(checkpoint, ns=(info.st_atime_ns, info.st_mtime_ns))
+    assert checkpoint.stat().st_mtime_ns == info.st_mtime_ns and checkpoint.stat().st_ino == info.st_ino
     after = run_client(server, GPT2_CLIENT, str(folder))["loads"][0]
-    assert after["key"] == before["key"] and after["sum"] != before["sum"]
+    assert after["key"] != before["key"] and after["sum"] != before["sum"]  # the ctime changed: a new key
     with torch.no_grad():
         expected = GPT2LMHeadModel.from_pretrained(folder)(torch.tensor([[1, 2, 3, 4]])).logits
     assert after["sum"] == pytest.approx(float(expected.double().sum()), rel=1e-12)
     status = server.status()
-    assert status["stale"] == 1 and status["misses"] == 2
+    assert status["misses"] == 2 and status["hits"] == 0
+
+
+VAE_CLIENT = """
+import json, sys
+import torch
+from zerocopy_pickle import cache
+cache.patch_all(autostart=False)
+from diffusers import AutoencoderKL
+vae = AutoencoderKL.from_pretrained(sys.argv[1], subfolder="vae")
+print(json.dumps({"weights": sum(float(p.double().sum()) for p in vae.parameters()), "key": cache.cached_key(vae)}))
+"""
+
+
+def test_a_repointed_symlinked_subfolder_is_a_miss(
+    server: ServerProcess, models: dict[str, str], tmp_path: Path
+) -> None:
+    from diffusers import AutoencoderKL
+
+    # A pipeline folder whose vae is a link to a shared folder (vae -> /shared/vae), as users share components.
+    pipeline, shared = tmp_path / "pipeline", tmp_path / "shared"
+    shutil.copytree(models["pipeline"], pipeline)
+    shared.mkdir()
+    (pipeline / "vae").rename(shared / "vae-a")
+    vae_b = AutoencoderKL.from_pretrained(shared / "vae-a")
+    with torch.no_grad():
+        for parameter in vae_b.parameters():
+            parameter.mul_(1.5)
+    vae_b.save_pretrained(shared / "vae-b")
+    expected_b = sum(float(p.detach().double().sum()) for p in vae_b.parameters())
+    (pipeline / "vae").symlink_to(shared / "vae-a")
+    (pipeline / "loop").symlink_to(pipeline)  # a cycle in the model folder: keyed all the same, without hanging
+    first = run_client(server, VAE_CLIENT, str(pipeline))
+    assert run_client(server, VAE_CLIENT, str(pipeline)) == {**first, "stderr": ANY}
+    assert (server.status()["hits"], server.status()["misses"]) == (1, 1)
+    (pipeline / "vae").unlink()
+    (pipeline / "vae").symlink_to(shared / "vae-b")  # re-pointed at another VAE of the same shapes
+    after = run_client(server, VAE_CLIENT, str(pipeline))
+    assert after["key"] != first["key"]
+    assert after["weights"] == pytest.approx(expected_b, rel=1e-9) and after["weights"] != first["weights"]
+    assert (server.status()["hits"], server.status()["misses"]) == (1, 2)
+
+
+def test_relative_paths_resolve_in_each_callers_directory(server: ServerProcess, tmp_path: Path) -> None:
+    code = """
+import json, torch
+from zerocopy_pickle import cache
+cache.patch_all(autostart=False)
+state = torch.load("model.pt", weights_only=True)
+print(json.dumps({"w": state["w"].tolist()}))
+"""
+    projects = {}
+    for number in (1, 2):
+        project = projects[number] = tmp_path / f"project-{number}"
+        project.mkdir()
+        torch.save({"w": torch.full((4,), float(number))}, project / "model.pt")
+    for _ in range(2):  # a miss then a hit in each folder, from one server started elsewhere
+        for number, project in projects.items():
+            result = run_client(server, code, cwd=project)
+            assert result["w"] == [float(number)] * 4, result["stderr"]
+            assert "CacheWarning" not in result["stderr"]
+    status = server.status()
+    assert (status["hits"], status["misses"], len(status["entries"])) == (2, 2, 2)
+    # A working directory the loader cannot enter: the miss fails (the caller then loads directly); the loader
+    # never falls back to another folder, where "model.pt" could be somebody else's.
+    missing = tmp_path / "gone"
+    code = f"""
+import dataclasses, json, torch
+from zerocopy_pickle.cache import client
+kwargs = {{"weights_only": True, "map_location": "cpu"}}  # not cached yet: a miss
+request = client.describe("torch:load", None, ("model.pt",), kwargs)
+request["get"] = dataclasses.replace(request["get"], cwd={str(missing)!r})
+try:
+    client._fetch(request, ("model.pt",), kwargs, autostart=False)
+except client.CacheError as e:
+    print(json.dumps({{"error": str(e)}}))
+"""
+    result = run_client(server, code, cwd=projects[1])
+    assert "FileNotFoundError" in result["error"] and str(missing) in result["error"]
+
+
+HUB_CLIENT = """
+import json, sys, warnings
+warnings.simplefilter("always")
+from zerocopy_pickle import cache
+cache.patch_all(autostart=False)
+from transformers import GPT2LMHeadModel
+out = []
+for name in sys.argv[1:]:
+    try:
+        model = GPT2LMHeadModel.from_pretrained(name)
+    except Exception as e:
+        out.append({"error": type(e).__name__})
+    else:
+        out.append({"weights": sum(float(p.double().sum()) for p in model.parameters()),
+                    "key": cache.cached_key(model)})
+print(json.dumps({"loads": out}))
+"""
+
+
+def hub_cache_with_two_commits(root: Path) -> tuple[Path, dict[str, float]]:
+    """A local Hub cache as huggingface_hub lays it out, made by hand: ``models--org--tiny`` with two commits of a
+    tiny GPT-2 (one of real files, one of symlinks to ``blobs/``), ``refs/main`` at the first. Returns the cache
+    and each commit's parameter sum."""
+    import hashlib
+
+    from transformers import GPT2LMHeadModel
+
+    repo = root / "models--org--tiny"
+    commits = {hashlib.sha1(name.encode()).hexdigest(): seed for seed, name in enumerate(["a", "b"])}
+    sums = {}
+    for commit, seed in commits.items():
+        snapshot = repo / "snapshots" / commit
+        if seed == 0:
+            build_gpt2(snapshot, seed=seed)
+        else:
+            staged = build_gpt2(root / "staged", seed=seed)
+            snapshot.mkdir(parents=True)
+            (repo / "blobs").mkdir(exist_ok=True)
+            for file in Path(staged).iterdir():
+                blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+                file.rename(blob)
+                (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob.name))
+        model = GPT2LMHeadModel.from_pretrained(snapshot)
+        sums[commit] = sum(float(p.detach().double().sum()) for p in model.parameters())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(next(iter(commits)))
+    return root, sums
+
+
+def test_hub_ids_resolve_to_the_commit_their_ref_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hub, sums = hub_cache_with_two_commits(tmp_path / "hub")
+    commit_a, commit_b = sums
+    assert sums[commit_a] != sums[commit_b]
+    # The server has no HF_HUB_CACHE of its own (an autostarted server inherits the first client's): the loader
+    # reads the commit the caller's key names, in the caller's Hub cache.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    with private_dir() as directory:
+        server = ServerProcess(directory)
+        try:
+            first = run_client(server, HUB_CLIENT, "org/tiny", HF_HUB_CACHE=str(hub))["loads"][0]
+            second = run_client(server, HUB_CLIENT, "org/tiny", HF_HUB_CACHE=str(hub))["loads"][0]
+            assert first["weights"] == pytest.approx(sums[commit_a], rel=1e-9)
+            assert (second["weights"], second["key"]) == (first["weights"], first["key"])
+            assert (server.status()["hits"], server.status()["misses"]) == (1, 1)
+            (hub / "models--org--tiny" / "refs" / "main").write_text(commit_b)  # main moved on
+            moved = run_client(server, HUB_CLIENT, "org/tiny", HF_HUB_CACHE=str(hub))["loads"][0]
+            assert moved["key"] != first["key"]
+            assert moved["weights"] == pytest.approx(sums[commit_b], rel=1e-9)
+            assert (server.status()["hits"], server.status()["misses"]) == (1, 2)
+            # A repository the local cache does not hold: which commit it names cannot be known offline. The call
+            # is loaded directly (here the library's own error), warned about once, and not cached.
+            absent = run_client(server, HUB_CLIENT, "org/absent", "org/absent", HF_HUB_CACHE=str(hub))
+            assert absent["loads"] == [{"error": "OSError"}] * 2
+            assert absent["stderr"].count("CacheWarning") == 1 and "cannot be known offline" in absent["stderr"]
+            status = server.status()
+            assert (status["hits"], status["misses"], len(status["entries"])) == (1, 2, 2)
+        finally:
+            server.stop()
+
+
+def test_a_hit_checks_every_file_its_key_was_computed_from(server: ServerProcess, tmp_path: Path) -> None:
+    code = """
+import dataclasses, json, sys, torch
+from zerocopy_pickle import cache
+from zerocopy_pickle.cache import client
+cache.patch_all(autostart=False)
+if len(sys.argv) > 2:  # a client that could not see the file change: it asks for the key the entry was made under
+    describe = client.describe
+    def same_key(*args, **kwargs):
+        request = describe(*args, **kwargs)
+        request["get"] = dataclasses.replace(request["get"], key=sys.argv[2])
+        return request
+    client.describe = same_key
+state = torch.load(sys.argv[1], weights_only=True)
+print(json.dumps({"w": state["w"].tolist()}))
+"""
+    checkpoint = tmp_path / "state.pt"
+    torch.save({"w": torch.arange(4.0)}, checkpoint)
+    assert run_client(server, code, str(checkpoint))["w"] == [0.0, 1.0, 2.0, 3.0]
+    (key,) = [entry["key"] for entry in server.status()["entries"]]
+    info = checkpoint.stat()
+    rewritten = tmp_path / "next" / "state.pt"  # the same name: torch.save's archive records it
+    rewritten.parent.mkdir()
+    torch.save({"w": torch.arange(4.0) + 10}, rewritten)
+    data = rewritten.read_bytes()
+    assert len(data) == info.st_size
+    with open(checkpoint, "r+b") as f:  # in place, same size, the modification time put back
+        f.write(data)
+    os.utime(checkpoint, ns=(info.st_atime_ns, info.st_mtime_ns))
+    after = run_client(server, code, str(checkpoint), key)
+    assert after["w"] == [10.0, 11.0, 12.0, 13.0], after["stderr"]
+    status = server.status()
+    assert (status["stale"], status["misses"], status["hits"]) == (1, 2, 0)
+    assert run_client(server, code, str(checkpoint), key)["w"] == [10.0, 11.0, 12.0, 13.0]  # the new entry: a hit
+    assert server.status()["hits"] == 1
 
 
 def test_sixteen_clients_twenty_loads_each(server: ServerProcess, models: dict[str, str]) -> None:
@@ -462,6 +660,60 @@ def test_warm_restart_from_persistence(models: dict[str, str], tmp_path: Path) -
             status = server.status()
             assert (status["hits"], status["misses"]) == (1, 0)
             assert again["sum"] == first["sum"]
+        finally:
+            server.stop()
+
+
+SEALS_CLIENT = """
+import fcntl, json, os, sys, torch
+from zerocopy_pickle import arena, cache
+from zerocopy_pickle.cache import client
+cache.patch_all(autostart=False)
+out = {"values": [torch.load(path, weights_only=True)["w"].tolist() for path in sys.argv[1:]]}
+request = client.describe("torch:load", None, (sys.argv[1],), {"weights_only": True})
+with client.Client() as connection:
+    header, _, fds = connection.request(request["get"], request["payload"])
+out["hit"] = header["hit"]
+out["sealed"] = [fcntl.fcntl(fd, fcntl.F_GET_SEALS) & arena.SEALS == arena.SEALS for fd in fds]
+for fd in fds:
+    os.close(fd)
+print(json.dumps(out))
+"""
+
+
+def test_a_persisted_segment_changed_while_stopped_drops_only_its_entry(tmp_path: Path) -> None:
+    persist = tmp_path / "persist"
+    states = {name: torch.arange(256.0) * (index + 1) for index, name in enumerate(["a", "b"])}
+    paths = {}
+    for name, values in states.items():
+        paths[name] = str(tmp_path / f"{name}.pt")
+        torch.save({"w": values}, paths[name])
+    with private_dir() as directory:
+        server = ServerProcess(directory, "--persist", str(persist))
+        try:
+            run_client(server, SEALS_CLIENT, paths["a"], paths["b"])
+            calls = {e["key"]: e["call"] for e in server.status()["entries"]}
+        finally:
+            server.stop()
+        # Which segment holds a.pt's tensor: the index lists each entry's buffers (place, segment, ...).
+        body = json.loads(json.loads((persist / "index.json").read_text())["body"])
+        (entry_a,) = [e for e in body["entries"] if "a.pt" in calls[e["key"]]]
+        (segment_a,) = {row[1] for row in entry_a["buffers"]}
+        segment = persist / f"segment-{segment_a}.bin"
+        data = bytearray(segment.read_bytes())
+        data[-1] ^= 0xFF
+        with open(segment, "r+b") as f:  # in place, same size
+            f.write(data)
+        server = ServerProcess(directory, "--persist", str(persist))
+        try:
+            status = server.status()
+            assert status["persist_cold_start"] is None
+            assert [e["call"] for e in status["entries"]] == [c for c in calls.values() if "b.pt" in c]
+            result = run_client(server, SEALS_CLIENT, paths["b"], paths["a"])  # b: a hit; a: a miss, loaded anew
+            assert result["values"] == [states["b"].tolist(), states["a"].tolist()]
+            assert result["hit"] and result["sealed"] and all(result["sealed"])  # restored: sealed memfds
+            status = server.status()
+            assert (status["hits"], status["misses"]) == (2, 1)
         finally:
             server.stop()
 

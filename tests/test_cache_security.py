@@ -23,6 +23,7 @@ import pytest
 
 from zerocopy_pickle import arena
 from zerocopy_pickle.cache import protocol
+from zerocopy_pickle.cache import store as store_module
 from zerocopy_pickle.cache.client import Client
 from zerocopy_pickle.cache.messages import PLACES, BufferRow, decode_buffer_table, encode_buffer_table
 from zerocopy_pickle.cache.store import KEY_FILE, Entry, Store
@@ -267,7 +268,7 @@ def test_an_index_of_an_older_format_is_dropped(tmp_path: Path) -> None:
     assert not store.entries and not store.segments and "format" in (store.cold_start or "")
     store.close()
     # The current version's number over the old rows (the index was left as it was): does not decode either.
-    resign_index(persist, keys, lambda body: None, version=3)
+    resign_index(persist, keys, lambda body: None, version=store_module._INDEX_VERSION)
     store = Store(persist=persist, key_dir=keys)
     assert not store.entries and not store.segments and "damaged" in (store.cold_start or "")
     store.close()
@@ -286,14 +287,31 @@ def test_an_index_without_its_key_starts_cold(tmp_path: Path) -> None:
     store.close()
 
 
-def test_a_tampered_segment_starts_cold(tmp_path: Path) -> None:
-    persist, keys = persisted_store(tmp_path)
-    segment = persist / "segment-1.bin"
-    segment.write_bytes(b"HELLO")  # same size, other bytes
+@pytest.mark.parametrize("change", [b"HELLO", b"hello!"], ids=["same-size", "other-size"])
+def test_a_changed_segment_drops_only_its_entries_and_their_dependents(tmp_path: Path, change: bytes) -> None:
+    persist, keys = persisted_store(tmp_path)  # "a" in segment 1
     store = Store(persist=persist, key_dir=keys)
-    assert not store.entries and not store.segments
-    assert "does not match its digest" in (store.cold_start or "")
+    for key, data, refs in (("b", b"world", []), ("c", b"later", ["a"]), ("d", b"after", ["c"])):
+        fd = arena.create_memfd("test-segment")
+        os.write(fd, data)
+        arena.seal(fd)
+        store.add(Entry(key, f"call {key}", b"stream", [BufferRow(0, 0, 5, "cpu", None, "new")], refs), fd)
     store.close()
+    segment = persist / "segment-1.bin"
+    with open(segment, "r+b") as f:  # changed in place: other bytes (and maybe another size)
+        f.write(change)
+    again = Store(persist=persist, key_dir=keys)
+    # "a" is dropped, and "c" and "d", which took it (or what took it) as an argument; "b" is served as it was.
+    assert list(again.entries) == ["b"] and again.cold_start is None
+    assert not segment.exists()
+    (segment_id,) = again.entries["b"].segment_ids
+    restored = again.segments[segment_id]
+    assert os.pread(restored.fd, 5, 0) == b"world"
+    assert fcntl.fcntl(restored.fd, fcntl.F_GET_SEALS) & arena.SEALS == arena.SEALS  # a sealed memfd, not the file
+    again.close()
+    third = Store(persist=persist, key_dir=keys)  # the index was rewritten without the dropped entries
+    assert list(third.entries) == ["b"] and third.cold_start is None
+    third.close()
 
 
 def test_a_failed_index_write_keeps_the_previous_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,8 @@ import pytest
 from tests.conftest import run_python
 from zerocopy_pickle import arena
 from zerocopy_pickle.cache import filebacked, loader, protocol
-from zerocopy_pickle.cache.client import describe
-from zerocopy_pickle.cache.messages import BufferRow
+from zerocopy_pickle.cache.client import Uncacheable, _fingerprint, describe
+from zerocopy_pickle.cache.messages import MAX_FILE_CHECKS, BufferRow, FileCheck, Get
 from zerocopy_pickle.cache.store import Entry, Store
 
 
@@ -118,6 +119,36 @@ def test_persistence_round_trip_and_damaged_directory(tmp_path: Path) -> None:
     cold.close()
 
 
+def test_every_file_a_key_was_computed_from_is_checked_on_every_hit(tmp_path: Path) -> None:
+    """An entry keeps the identities of the files its key was computed from; a hit checks them again, and an entry
+    whose files are not what they were is dropped (a miss), even when the request's key is the same (a client
+    that could not see the change, or a change after the key was computed), and across a restart."""
+    weights, other = tmp_path / "weights.bin", tmp_path / "other.bin"
+    weights.write_bytes(b"one")
+    other.write_bytes(b"xyz")
+    persist, keys = tmp_path / "persist", tmp_path / "keys"
+    keys.mkdir(mode=0o700)
+    store = Store(persist=persist, key_dir=keys)
+    for key, file in (("a", weights), ("b", other)):
+        made = entry(key, [(0, 0, 5)])
+        made.files = [FileCheck.of(str(file), file.stat())]
+        store.add(made, sealed_segment(b"hello"))
+    assert store.get("a") is not None and store.get("b") is not None
+    store.close()
+    store = Store(persist=persist, key_dir=keys)  # restarted: the checks were persisted with the entries
+    assert store.entries["a"].files == [FileCheck.of(str(weights), weights.stat())]
+    before = weights.stat()
+    with open(weights, "r+b") as f:  # in place, same size, the modification time put back
+        f.write(b"two")
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert store.get("a") is None and "a" not in store.entries
+    assert (store.stale, store.misses) == (1, 1)
+    assert store.get("b") is not None  # the other entry's file did not change
+    other.unlink()
+    assert store.get("b") is None and store.stale == 2  # a file that is gone
+    store.close()
+
+
 def test_runtime_dir_refuses_unsafe_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     private = tmp_path / "private"
     monkeypatch.setenv(protocol.DIR_ENV, str(private))
@@ -145,13 +176,103 @@ def test_key_follows_file_changes(tmp_path: Path) -> None:
     assert describe(point, None, (str(checkpoint),), {})["key"] == first  # stable
     before = weights.stat()
     weights.write_bytes(b"two")  # same size, same inode
-    # The key is each file's size, mtime and inode, never its bytes: with the mtime put back, the same key.
+    # The key is each file's size, mtime, ctime and inode, never its bytes: with the mtime put back, the ctime
+    # (which nobody can set back) still changed, and so did the key.
     os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert describe(point, None, (str(checkpoint),), {})["key"] == first
+    assert weights.stat().st_mtime_ns == before.st_mtime_ns and weights.stat().st_ctime_ns != before.st_ctime_ns
+    second = describe(point, None, (str(checkpoint),), {})["key"]
+    assert second != first
+    assert describe(point, None, (str(checkpoint),), {})["key"] == second  # stable again
     # A new mtime, set rather than waited for (a file system's timestamp granularity can be coarse).
     os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
     assert describe(point, None, (str(checkpoint),), {})["key"] != first
     assert describe(point, None, (str(checkpoint),), {"mmap": True})["key"] != first
+
+
+def test_symlinked_subfolders_are_followed_and_cycles_are_not(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    for name, data in (("vae-a", b"aaaa"), ("vae-b", b"bbbb")):
+        (shared / name).mkdir(parents=True)
+        (shared / name / "weights.bin").write_bytes(data)
+    model = tmp_path / "pipeline"
+    model.mkdir()
+    (model / "model_index.json").write_text("{}")
+    (model / "vae").symlink_to(shared / "vae-a")
+    (model / "also-vae").symlink_to(shared / "vae-a")  # the same folder twice (not a cycle): both rows
+    (model / "vae" / "loop").symlink_to(model)  # a cycle through the link: not followed again
+    (model / "self").symlink_to(".")
+    rows = _fingerprint(str(model))
+    names = [row[0] for row in rows]
+    assert names == sorted(["also-vae/weights.bin", "model_index.json", "vae/weights.bin"])
+    vae_row = rows[names.index("vae/weights.bin")]
+    assert vae_row[4] == (shared / "vae-a" / "weights.bin").stat().st_ino  # the identity of the file it leads to
+    point = "torch.serialization:load"
+    first = describe(point, None, (str(model),), {})["key"]
+    (model / "vae").unlink()
+    (model / "vae").symlink_to(shared / "vae-b")  # re-pointed: same names and sizes, another folder
+    assert describe(point, None, (str(model),), {})["key"] != first
+
+
+def test_requests_carry_the_callers_working_directory_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    get = describe("torch.serialization:load", None, ("model.pt",), {})["get"]
+    assert get.cwd == str(tmp_path)
+    header = get.encode()
+    assert Get.decode(header).cwd == str(tmp_path)
+    for bad in ("relative/dir", "", 3, ["/"], "/a\0b", "/" + "x" * 5000):
+        with pytest.raises(protocol.ProtocolError, match="absolute path"):
+            Get.decode({**header, "cwd": bad})
+    assert Get.decode({**header, "cwd": None}).cwd is None
+
+
+def test_hub_ids_key_on_the_commit_and_its_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # where no "org/tiny" folder exists
+    repo = tmp_path / "hub" / "models--org--tiny"
+    commits = ["a" * 40, "b" * 40]
+    for commit in commits:
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text(commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commits[0] + "\n")
+    point = "transformers.modeling_utils:PreTrainedModel.from_pretrained"
+
+    def request(**kwargs: object) -> dict[str, object]:
+        return describe(point, None, ("org/tiny",), {"cache_dir": str(tmp_path / "hub"), **kwargs})
+
+    first = request()
+    assert first["key"] == request()["key"]
+    assert request(revision=commits[0])["key"] != first["key"]  # another revision, the same commit: keyed apart
+    # The loader is told the commit and the cache the key names.
+    args, kwargs = pickle.loads(first["payload"])
+    assert args == ("org/tiny",) and kwargs == {"revision": commits[0], "cache_dir": str(tmp_path / "hub")}
+    (repo / "snapshots" / commits[0] / "config.json").write_text("c" * 40)  # the snapshot's files changed
+    assert request()["key"] != first["key"]
+    (repo / "refs" / "main").write_text(commits[1])
+    moved = pickle.loads(request()["payload"])[1]
+    assert moved["revision"] == commits[1]
+    for bad in ({"revision": "v1"}, {"revision": "../refs/main"}, {"revision": "f" * 40}):
+        with pytest.raises(Uncacheable):
+            request(**bad)  # no such ref, not a ref name, no such snapshot
+    (repo / "refs" / "v2").write_text("not a commit")
+    with pytest.raises(Uncacheable, match="commit"):
+        request(revision="v2")
+    with pytest.raises(Uncacheable, match="cannot be known offline"):
+        describe(point, None, ("org/absent",), {"cache_dir": str(tmp_path / "hub")})
+    # Not a repository id, or not a from_pretrained: keyed as before, without looking at the Hub cache.
+    assert pickle.loads(describe("torch.serialization:load", None, ("org/absent",), {})["payload"])[1] == {}
+    describe(point, None, ("./not/a/repo",), {})
+
+
+def test_a_call_naming_more_files_than_a_request_can_list_is_not_cached(tmp_path: Path) -> None:
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i in range(MAX_FILE_CHECKS):
+        (folder / f"{i}.bin").touch()
+    get = describe("torch.serialization:load", None, (str(folder),), {})["get"]
+    assert len(get.files) == MAX_FILE_CHECKS and len(json.dumps(get.encode())) < protocol.REQUEST.header
+    (folder / "one-more.bin").touch()
+    with pytest.raises(Uncacheable, match="too many files"):
+        describe("torch.serialization:load", None, (str(folder),), {})
 
 
 def test_learnable_modules() -> None:

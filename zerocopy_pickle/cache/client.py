@@ -27,8 +27,10 @@ import json
 import logging
 import os
 import queue
+import re
 import select
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -44,8 +46,8 @@ from .._version import __version__
 from ..loadcore import argument
 from . import entries
 from .isolation import WORKDIR_ENV, child_environment
-from .messages import Call, EntryReply, Failure, Get, JobResult, Miss, Ping, Put
-from .protocol import CacheError, ProtocolError, receive, runtime_dir, send, socket_path
+from .messages import MAX_FILE_CHECKS, Call, EntryReply, Failure, FileCheck, Get, JobResult, Miss, Ping, Put
+from .protocol import REQUEST, CacheError, ProtocolError, receive, runtime_dir, send, socket_path
 
 __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_result"]
 
@@ -121,24 +123,56 @@ class _ArgumentPickler(entries.RefPickler):
         return super().reducer_override(obj)
 
 
+def _stat_row(st: os.stat_result) -> list[int]:
+    """A file's identity as a fingerprint row holds it: size, mtime, ctime (ns), inode, device."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
 def _fingerprint(path: str) -> list[Any]:
-    """What identifies a local file or directory's contents: sizes, modification times and inodes of every
-    file in it (through symlinks, as a loader reads them)."""
+    """What identifies a local file or directory's contents: sizes, modification and change times and inodes of
+    every file in it, through symlinks as a loader reads them (a file's link to a blob, a ``vae`` subfolder that
+    is a link to ``/shared/vae``: rows name each file by its path under ``path``, and hold the identity of the file
+    it leads to, so re-pointing a link changes the key). A link back to a directory above it (a cycle) is not
+    followed again. The change time (ctime) is there because a rewrite in place that puts the modification time
+    back (``rsync --inplace -t``, ``cp -p``) still sets it, and nobody can set it back.
+
+    Raises:
+        Uncacheable: the folder holds more than :data:`MAX_FINGERPRINT_FILES` files and folders.
+    """
     root = Path(path)
     if root.is_file():
         st = root.stat()
-        return [["", st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]]
-    rows = []
-    for directory, _, files in os.walk(root):
-        for name in files:
-            file = Path(directory, name)
+        return [["", *_stat_row(st)]]
+    rows: list[Any] = []
+    seen = 0
+    # Depth first, each folder with the (device, inode) of the folders above it: a link to one of those is a cycle.
+    try:
+        top = root.stat()
+    except OSError:
+        return rows
+    stack: list[tuple[Path, str, frozenset[tuple[int, int]]]] = [(root, "", frozenset({(top.st_dev, top.st_ino)}))]
+    while stack:
+        directory, prefix, above = stack.pop()
+        try:
+            with os.scandir(directory) as listing:
+                children = list(listing)
+        except OSError:
+            continue
+        for child in children:
+            seen += 1
+            if seen > MAX_FINGERPRINT_FILES:
+                raise Uncacheable(f"{path} holds more than {MAX_FINGERPRINT_FILES} files and folders")
+            name = prefix + child.name
             try:
-                st = file.stat()
+                st = child.stat()  # through a link
             except OSError:
-                continue
-            rows.append([str(file.relative_to(root)), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev])
-            if len(rows) > MAX_FINGERPRINT_FILES:
-                raise Uncacheable(f"{path} holds more than {MAX_FINGERPRINT_FILES} files")
+                continue  # a dangling link: nothing a loader could read
+            if stat.S_ISDIR(st.st_mode):
+                identity = (st.st_dev, st.st_ino)
+                if identity not in above:
+                    stack.append((Path(child.path), name + os.sep, above | {identity}))
+            elif stat.S_ISREG(st.st_mode):
+                rows.append([name, *_stat_row(st)])
     return sorted(rows)
 
 
@@ -158,6 +192,73 @@ def _local_paths(value: Any, found: dict[str, list[Any]], depth: int = 0) -> Non
             _local_paths(item, found, depth + 1)
 
 
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+HUB_POINTS = ("from_pretrained",)
+"""Patch points whose first argument may be a Hub repository id (resolved to a commit in the local Hub cache)."""
+
+
+def _hub_snapshot(point: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """For a ``from_pretrained`` call whose first argument is a Hub repository id rather than a local path: the
+    repository, revision and commit it resolves to offline, in the local Hub cache (``cache_dir=``, else
+    ``huggingface_hub.constants.HF_HUB_CACHE``: ``HF_HUB_CACHE``, ``HF_HOME``...), and that commit's snapshot
+    folder; None for any other call.
+
+    Raises:
+        Uncacheable: the commit cannot be known offline (the repository or its ``refs/<revision>`` is not in the
+            local cache): the key could not say which weights it names.
+    """
+    if point.rpartition(".")[2] not in HUB_POINTS:
+        return None
+    name = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    if not isinstance(name, str) or not name or len(name) > 200 or os.path.exists(name):
+        return None
+    try:
+        from huggingface_hub import constants
+        from huggingface_hub.utils import validate_repo_id  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        validate_repo_id(name)
+    except ValueError:  # HFValidationError: not a repository id
+        return None
+    revision = kwargs.get("revision") or "main"
+    cache_dir = kwargs.get("cache_dir") or constants.HF_HUB_CACHE
+    if not isinstance(revision, str) or not isinstance(cache_dir, (str, os.PathLike)):
+        raise Uncacheable(f"{name!r}: a revision or cache_dir that is not a string")
+    folder = Path(os.path.abspath(cache_dir), "models--" + name.replace("/", "--"))
+    refs = None
+    if _COMMIT.fullmatch(revision):
+        commit = revision
+    else:
+        parts = revision.split("/")
+        if not all(part and part not in (".", "..") for part in parts):
+            raise Uncacheable(f"{name!r}: the revision {revision!r} is not a branch or tag name")
+        refs = folder.joinpath("refs", *parts)
+        try:
+            commit = refs.read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            raise Uncacheable(
+                f"the Hub repository {name!r} at {revision!r} is not in the local Hub cache ({folder}): which "
+                "commit it names cannot be known offline, so it is not cached"
+            ) from None
+        if not _COMMIT.fullmatch(commit):
+            raise Uncacheable(f"{refs} does not hold a commit hash")
+    snapshot = folder / "snapshots" / commit
+    if not snapshot.is_dir():
+        raise Uncacheable(f"the Hub repository {name!r} has no snapshot of commit {commit} in {folder}")
+    return {"repo": [name, revision, commit], "snapshot": str(snapshot), "refs": str(refs) if refs else None,
+            "cache_dir": str(folder.parent)}  # fmt: skip
+
+
+def _working_directory() -> str | None:
+    """This process's working directory, where the call's relative paths resolve (None if it is gone)."""
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        return None
+    return cwd if cwd.startswith("/") and "\0" not in cwd and len(cwd) <= 4096 else None
+
+
 @functools.cache
 def _library_version(module: str) -> str:
     """The installed version of ``module``'s distribution (looked up once per process: reading the metadata
@@ -174,12 +275,18 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
 
     The key is a BLAKE2b digest of: the patched function and the class it was called on; the arguments as
     pickled, with cached objects replaced by their entries' keys; a fingerprint of every local file or directory
-    an argument names (size, mtime, inode of each file: a changed checkpoint is a different key); and the
-    versions of zerocopy_pickle, torch and the loader's library.
+    an argument names (size, mtime, ctime, inode of each file, through symlinked subfolders: a changed checkpoint
+    is a different key); for a ``from_pretrained`` of a Hub repository id, the repository, revision and commit it
+    resolves to in the local Hub cache and the fingerprint of that commit's snapshot (the loader is then called
+    with ``revision=<commit>`` and that ``cache_dir``, so that it reads what the key names); and the versions of
+    zerocopy_pickle, torch and the loader's library.
 
     Raises:
-        Uncacheable: an argument cannot be pickled.
+        Uncacheable: an argument cannot be pickled, or a Hub id's commit cannot be known offline.
     """
+    hub = _hub_snapshot(point, args, kwargs)
+    if hub is not None:  # the loader reads exactly the commit the key names, from the caller's Hub cache
+        kwargs = {**kwargs, "revision": hub["repo"][2], "cache_dir": hub["cache_dir"]}
     out = io.BytesIO()
     pickler = _ArgumentPickler(out)
     try:
@@ -190,7 +297,11 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
         pickler.clear_memo()
     stream = out.getvalue()
     files: dict[str, list[Any]] = {}
-    _local_paths([list(args), kwargs], files)
+    _local_paths([list(args), {k: v for k, v in kwargs.items() if k != "cache_dir"}], files)
+    if hub is not None:
+        for path in (hub["snapshot"], hub["refs"]):
+            if path is not None:
+                files.setdefault(os.path.realpath(path), _fingerprint(path))
     module = point.partition(":")[0]
     import torch
 
@@ -201,9 +312,15 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
         "args": hashlib.blake2b(stream, digest_size=32).hexdigest(),
         "refs": pickler.ref_keys,
         "files": files,
+        "hub": hub["repo"] if hub is not None else None,
         "versions": [__version__, torch.__version__, _library_version(module), sys.version_info[:2]],
     }
     key = hashlib.blake2b(json.dumps(material, sort_keys=True, default=str).encode(), digest_size=20).hexdigest()
+    # The same identities, by the path the loader opens, for the server to check again on every hit.
+    checks = [FileCheck(root if not row[0] else os.path.join(root, row[0]), *row[1:])
+              for root, rows in files.items() for row in rows]  # fmt: skip
+    if len(checks) > MAX_FILE_CHECKS or len(json.dumps(checks)) > REQUEST.header * 3 // 4:  # as the header holds them
+        raise Uncacheable(f"the call's arguments name too many files (at most {MAX_FILE_CHECKS}, in a request)")
     name = f"{cls.__qualname__}.{point.rpartition('.')[2]}" if cls is not None else point.partition(":")[2]
     shown = next((a for a in args if isinstance(a, (str, os.PathLike))), "")
     return {
@@ -212,10 +329,13 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
             Call(point, owner, pickler.ref_keys),
             f"{name}({os.fspath(shown)!r}{', ...' if len(args) + len(kwargs) > 1 else ''})",
             entries.plugin_list(pickler.plugins_used),
+            _working_directory(),
+            checks,
         ),
         "key": key,
         "payload": stream,
         "ref_objects": pickler.ref_objects,
+        "kwargs": kwargs,  # as the loader is to call it (a Hub id pinned to the commit the key names)
     }
 
 
@@ -560,7 +680,7 @@ def cached_call(
             _warn_once(f"error:{type(e).__name__}", str(e))
             return original(*args, **kwargs)
         if isinstance(result, Miss):  # load it here, as without the cache; the server gets it afterwards
-            value = original(*args, **kwargs)
+            value = original(*args, **request["kwargs"])
             _file(request, value, args, kwargs, files=result.files)
             return value
         register_result(result, request["key"])

@@ -144,7 +144,9 @@ def run_job(job: Job, payload: bytes, result: socket.socket, segment_fds: Sequen
 def _child(job: Job, payload: bytes, fds: list[int], workdir: str | None) -> int:
     result = socket.socket(fileno=fds[0])
     try:
-        if workdir:  # relative paths of the call resolve where they always did (imports never look there)
+        if job.workdir:  # relative paths of the call resolve where the caller runs (imports never look there)
+            os.chdir(job.workdir)  # or the job fails, and the caller loads directly: never another folder's file
+        elif workdir:  # a request that did not say: the folder the server was started for
             with contextlib.suppress(OSError):
                 os.chdir(workdir)
         run_job(job, payload, result, fds[1:])

@@ -36,6 +36,7 @@ __all__ = [
     "Done",
     "EntryReply",
     "Failure",
+    "FileCheck",
     "Get",
     "Job",
     "JobRef",
@@ -50,6 +51,7 @@ __all__ = [
     "StatusRequest",
     "Stop",
     "decode_buffer_table",
+    "decode_file_checks",
     "decode_plugins",
     "decode_reply",
     "decode_request",
@@ -116,6 +118,45 @@ def decode_buffer_table(value: Any, what: str = "an entry", *, places: Sequence[
     return rows
 
 
+MAX_FILE_CHECKS = 4096
+"""Files one request (and its entry) may name for the server to check on every hit."""
+
+
+class FileCheck(NamedTuple):
+    """A file a key was computed from, as the client saw it: its path as the loader opens it (absolute, through
+    symlinks) and the identity :func:`os.stat` gave (size, mtime and ctime in nanoseconds, inode, device)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    ino: int
+    dev: int
+
+    @classmethod
+    def of(cls, path: str, info: Any) -> FileCheck:
+        return cls(path, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev)
+
+
+def decode_file_checks(value: Any, what: str) -> list[FileCheck]:
+    """``[[path, size, mtime_ns, ctime_ns, ino, dev], ...]``: the files a key was computed from."""
+    if not isinstance(value, list) or len(value) > MAX_FILE_CHECKS:
+        raise ProtocolError(f"{what}: its file list is not a list of at most {MAX_FILE_CHECKS} rows")
+    checks = []
+    for row in value:
+        if not (
+            isinstance(row, list)
+            and len(row) == 6
+            and isinstance(row[0], str)
+            and all(type(v) is int for v in row[1:])
+            and min(row[1], row[4], row[5]) >= 0
+        ):
+            raise ProtocolError(f"{what} has a malformed file row: {str(row)[:200]}")
+        _directory(row[0], "files", what)  # an absolute path of bounded length
+        checks.append(FileCheck(*row))
+    return checks
+
+
 def decode_plugins(value: Any, what: str = "an entry") -> list[tuple[str, str]]:
     """``[[name, package], ...]``: the plugins a stream needs."""
     if (
@@ -144,6 +185,15 @@ def _ints(value: Any, name: str, what: str, limit: int) -> list[int]:
     if not isinstance(value, list) or len(value) > limit or not all(type(v) is int for v in value):
         raise ProtocolError(f"{what}: field {name!r} is not a list of at most {limit} integers")
     return list(value)
+
+
+def _directory(value: Any, name: str, what: str) -> str | None:
+    """An absolute path of a directory (or None): where a call's relative paths resolve."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith("/") or len(value) > 4096 or "\0" in value:
+        raise ProtocolError(f"{what}: field {name!r} is not an absolute path")
+    return value
 
 
 # -- requests (client -> server) ---------------------------------------------------------------------------------
@@ -203,20 +253,25 @@ class Stop(Ping):
 
 @dataclass(frozen=True)
 class Get:
-    """Serve a call: its key, what to run on a miss, a description for status, and the plugins its pickled
-    arguments (the payload) need. With ``fill``, a miss is answered at once (:class:`Miss`): the client loads the
-    call itself and sends the result (:class:`Put`); without, the server's loader loads it and the reply waits."""
+    """Serve a call: its key, what to run on a miss, a description for status, the plugins its pickled
+    arguments (the payload) need, the caller's working directory (absolute: relative paths among the arguments
+    mean what they mean there), and the files the key was computed from (re-checked on every hit). With
+    ``fill``, a miss is answered at once (:class:`Miss`): the client loads the call itself and sends the result
+    (:class:`Put`); without, the server's loader loads it and the reply waits."""
 
     OP: ClassVar[str] = "get"
     key: str
     call: Call
     describe: str = ""
     plugins: list[tuple[str, str]] = field(default_factory=list)
+    cwd: str | None = None
+    files: list[FileCheck] = field(default_factory=list)  # what the key was computed from: checked on every hit
     fill: bool = False
 
     def encode(self) -> dict[str, Any]:
         return {"op": self.OP, "key": self.key, "call": self.call.encode(), "describe": self.describe,
-                "plugins": [list(p) for p in self.plugins], "fill": self.fill}  # fmt: skip
+                "plugins": [list(p) for p in self.plugins], "cwd": self.cwd,
+                "files": [list(f) for f in self.files], "fill": self.fill}  # fmt: skip
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Get:
@@ -230,6 +285,8 @@ class Get:
             Call.decode(header.get("call"), what),
             describe if isinstance(describe, str) else "",
             decode_plugins(header.get("plugins", []), what),
+            _directory(header.get("cwd"), "cwd", what),
+            decode_file_checks(header.get("files", []), what),
             header.get("fill", False) is True,
         )
 
@@ -488,7 +545,8 @@ class JobRef:
 class Job:
     """A miss for the loader: the call and the plugins its arguments need, the entries it references (their
     parts, then the call's arguments, are the payload), the segments sent with it (fds after the result socket),
-    a deduplication index ``(digest, segment, offset, nbytes)``, and whether checkpoint files may be referenced."""
+    a deduplication index ``(digest, segment, offset, nbytes)``, whether checkpoint files may be referenced, and
+    the directory the call runs in (the caller's working directory; None: the server's)."""
 
     OP: ClassVar[str] = "load"
     call: Call
@@ -497,11 +555,13 @@ class Job:
     segments: list[int]
     index: list[tuple[str, int, int, int]]
     file_segments: bool = True
+    workdir: str | None = None
 
     def encode(self) -> dict[str, Any]:
         return {"op": self.OP, "call": self.call.encode(), "plugins": [list(p) for p in self.plugins],
                 "refs": [ref.encode() for ref in self.refs], "segments": list(self.segments),
-                "index": [list(row) for row in self.index], "file_segments": self.file_segments}  # fmt: skip
+                "index": [list(row) for row in self.index], "file_segments": self.file_segments,
+                "workdir": self.workdir}  # fmt: skip
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Job:
@@ -523,6 +583,7 @@ class Job:
             _ints(header.get("segments"), "segments", what, MAX_FDS),
             rows,
             bool(header.get("file_segments", True)),
+            _directory(header.get("workdir"), "workdir", what),
         )
 
 

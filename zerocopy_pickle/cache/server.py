@@ -326,7 +326,7 @@ class Server:
             raise
         entry = Entry(get.key, get.describe or get.key, payload[request.args_nbytes :], result.buffers,
                       get.call.refs, args=payload[: request.args_nbytes], timings=result.timings,
-                      plugins=result.plugins, args_plugins=get.plugins)  # fmt: skip
+                      plugins=result.plugins, args_plugins=get.plugins, files=get.files)  # fmt: skip
         new_fd = fds[0] if result.new_segment else None
         self.store.add(entry, new_fd, fds[int(result.new_segment) :])
         send(conn, Done().encode())
@@ -368,7 +368,7 @@ class Server:
         ]
         blob = b"".join(part for e in closure for part in (e.args, e.stream)) + payload
         job = Job(request.call, request.plugins, job_refs, ids, [row for row in index if row[1] in ids],
-                  self.file_segments)  # fmt: skip
+                  self.file_segments, request.cwd)  # fmt: skip
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with ours:
             with self.store.lock:
@@ -397,7 +397,7 @@ class Server:
         self._teach_zygote(reply.imported)
         timings = {**reply.timings, "server": time.monotonic() - started}
         entry = Entry(key, request.describe or key, stream, reply.buffers, refs, args=payload, timings=timings,
-                      plugins=reply.plugins, args_plugins=request.plugins)  # fmt: skip
+                      plugins=reply.plugins, args_plugins=request.plugins, files=request.files)  # fmt: skip
         new_fd = fds[0] if reply.new_segment else None
         return self.store.add(entry, new_fd, fds[int(reply.new_segment) :])
 

@@ -19,10 +19,11 @@ restarted server starts warm. The directory must be private (:func:`protocol.ope
 files are opened relative to it without following links, and the index is authenticated: an HMAC-SHA256, with
 a per-user key kept in the private runtime directory, over the index, which lists every segment's SHA-256. A
 restart verifies the code, then copies each segment into a new sealed memfd and checks its digest there, so what
-clients map is exactly what was persisted and can no longer change; anything amiss and the server starts cold,
-having unpickled nothing (nothing in the directory is ever unpickled by the server: entries' streams are bytes
-it hands to the user's own clients). This module needs only the standard library (and ``zerocopy_pickle.format`` and
-``arena``, which need nothing else): the server never imports torch.
+clients map is exactly what was persisted and can no longer change; a segment that is missing or not what was
+persisted drops only the entries using it (and those that took them as arguments); anything else amiss and the
+server starts cold, having unpickled nothing (nothing in the directory is ever unpickled by the server: entries'
+streams are bytes it hands to the user's own clients). This module needs only the standard library (and
+``zerocopy_pickle.format`` and ``arena``, which need nothing else): the server never imports torch.
 """
 
 from __future__ import annotations
@@ -47,13 +48,14 @@ from typing import Any
 
 from .. import arena
 from ..format import align_up, padded_pieces, place_buffers
-from .messages import BufferRow, decode_buffer_table, decode_plugins, encode_buffer_table
+from .messages import BufferRow, FileCheck, decode_buffer_table, decode_file_checks, decode_plugins, encode_buffer_table
 from .protocol import CacheError, ProtocolError, open_private_directory, runtime_dir
 
 __all__ = ["KEY_FILE", "Entry", "Segment", "Store", "persistence_key"]
 
 _INDEX = "index.json"
-_INDEX_VERSION = 3  # 3: typed buffer rows and the plugins entries need; an older index is dropped (cold start)
+_INDEX_VERSION = 4  # 3: typed buffer rows and the plugins entries need; 4: the files each key was computed from
+# (an older index is dropped: cold start)
 KEY_FILE = "persist.key"
 """The persistence key's name in the runtime directory: 32 random bytes, mode 0600, one per user."""
 _KEY_BYTES = 32
@@ -102,6 +104,7 @@ class Entry:
     timings: dict[str, float] = field(default_factory=dict)  # where the loader's time went (seconds)
     plugins: list[tuple[str, str]] = field(default_factory=list)
     args_plugins: list[tuple[str, str]] = field(default_factory=list)
+    files: list[FileCheck] = field(default_factory=list)  # the files its key was computed from, as they were
 
     @property
     def segment_ids(self) -> list[int]:
@@ -115,7 +118,8 @@ class Entry:
         """The entry as the persisted index holds it."""
         return {**asdict(self), "buffers": encode_buffer_table(self.buffers), "stream": self.stream.hex(),
                 "args": self.args.hex(), "plugins": [list(p) for p in self.plugins],
-                "args_plugins": [list(p) for p in self.args_plugins]}  # fmt: skip
+                "args_plugins": [list(p) for p in self.args_plugins],
+                "files": [list(f) for f in self.files]}  # fmt: skip
 
     @classmethod
     def decode(cls, row: Any) -> Entry:
@@ -143,6 +147,7 @@ class Entry:
             {str(k): float(v) for k, v in timings.items()},
             decode_plugins(row["plugins"], what),
             decode_plugins(row["args_plugins"], what),
+            decode_file_checks(row["files"], what),
         )
 
 
@@ -186,10 +191,13 @@ class Store:
 
     def get(self, key: str) -> Entry | None:
         """The entry for ``key`` (marked most recently used, counted as a hit), or None (a miss). An entry whose
-        files changed since it was made is dropped: its key fingerprinted files that are not the same any more."""
+        files changed since it was made is dropped: its key was computed from files that are not the same any
+        more (each file its key fingerprinted is checked again here, as is each checkpoint file it references)."""
         with self.lock:
             entry = self.entries.get(key)
-            if entry is not None and any(self.segments[i].changed() for i in entry.segment_ids):
+            if entry is not None and (
+                _files_changed(entry.files) or any(self.segments[i].changed() for i in entry.segment_ids)
+            ):
                 self._release(self.entries.pop(key))
                 self.stale += 1
                 self._collect_unused()
@@ -544,13 +552,23 @@ class Store:
                     restored = self._restore_segment(row)
                     if restored is not None:
                         self.segments[restored.id] = restored
-                for row in index["entries"]:
-                    entry = Entry.decode(row)
-                    if all(segment in self.segments for segment in entry.segment_ids):
-                        self.entries[entry.key] = entry
-                        for segment_id in entry.segment_ids:
-                            self.segments[segment_id].users += 1
+                listed = [Entry.decode(row) for row in index["entries"]]
+                kept = {e.key: e for e in listed if all(segment in self.segments for segment in e.segment_ids)}
+                while True:  # and whatever references a dropped entry (its arguments), transitively
+                    orphans = [key for key, e in kept.items() if not all(ref in kept for ref in e.refs)]
+                    if not orphans:
+                        break
+                    for key in orphans:
+                        del kept[key]
+                for entry in kept.values():
+                    self.entries[entry.key] = entry
+                    for segment_id in entry.segment_ids:
+                        self.segments[segment_id].users += 1
                 self._collect_unused()
+                if len(kept) < len(listed):
+                    log.warning("zerocopy_pickle cache: %d persisted entries dropped (a segment missing or changed)",
+                                len(listed) - len(kept))  # fmt: skip
+                    self._save_index()
             except (OSError, ValueError, KeyError, TypeError, AttributeError, CacheError) as e:
                 raise _ColdStart(f"the index or a segment is damaged ({type(e).__name__}: {e})") from e
         except _ColdStart as e:
@@ -558,10 +576,11 @@ class Store:
 
     def _restore_segment(self, row: dict[str, Any]) -> Segment | None:
         """A persisted segment copied into a new sealed memfd and checked against its digest there (what clients
-        will map); None if its file is gone (its entries are dropped).
+        will map); None if its file is gone, or is not what was persisted (another size, other bytes: the file is
+        removed): the entries using it are dropped, nothing else.
 
         Raises:
-            _ColdStart: the file is not a private regular file of this user, or its size or digest is wrong.
+            _ColdStart: the file is not a private regular file of this user.
         """
         name = f"segment-{row['id']}.bin"
         nbytes, expected = row["nbytes"], row["sha256"]
@@ -573,19 +592,28 @@ class Store:
             return None
         try:
             if os.fstat(fd).st_size != nbytes:
-                raise _ColdStart(f"persisted segment {name} has the wrong size")
+                self._drop_persisted(name, "has the wrong size")
+                return None
             memfd = arena.create_memfd(f"zerocopy_pickle-cache-{row['id']}")
             try:
                 _send_all(memfd, fd, nbytes)
                 arena.seal(memfd)
-                if not hmac.compare_digest(_digest(memfd, nbytes), expected):
-                    raise _ColdStart(f"persisted segment {name} does not match its digest in the index")
+                matches = hmac.compare_digest(_digest(memfd, nbytes), expected)
             except BaseException:
                 os.close(memfd)
                 raise
+            if not matches:
+                os.close(memfd)
+                self._drop_persisted(name, "does not match its digest in the index")
+                return None
         finally:
             os.close(fd)
         return Segment(row["id"], memfd, nbytes, path=name, sha256=expected)
+
+    def _drop_persisted(self, name: str, why: str) -> None:
+        log.warning("zerocopy_pickle cache: persisted segment %s %s: the entries using it are dropped", name, why)
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=self._dir_fd)
 
     def _start_cold(self, reason: str) -> None:
         self._forget_all()
@@ -723,6 +751,19 @@ def _reopen_file(row: dict[str, Any]) -> Segment | None:
         os.close(fd)
         return None
     return Segment(row["id"], fd, row["nbytes"], kind="file", source=row["source"], identity=identity)
+
+
+def _files_changed(files: Sequence[FileCheck]) -> bool:
+    """Whether any of ``files`` is not what it was (gone, or another size, mtime, ctime, inode or device: a
+    rewrite in place, a replaced file, a re-pointed link, a moved Hub ref)."""
+    for check in files:
+        try:
+            info = os.stat(check.path)
+        except OSError:
+            return True
+        if FileCheck.of(check.path, info) != check:
+            return True
+    return False
 
 
 def _identity(info: os.stat_result) -> tuple[int, ...]:
