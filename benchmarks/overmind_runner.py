@@ -284,7 +284,7 @@ class Overmind:
         """One timed run, a fresh process of the Overmind venv's Python."""
         proc = subprocess.run(
             [self.python, "-W", "ignore", str(RUNNER), "run", mode, variant, json.dumps(paths), dtype],
-            env=env, capture_output=True, text=True, check=False, timeout=3600,
+            env=env, capture_output=True, text=True, check=False, timeout=900,
         )  # fmt: skip
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode != 0 or not lines:
