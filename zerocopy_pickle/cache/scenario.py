@@ -8,13 +8,19 @@ Every run is a fresh process (as a user's program is), timed from after its impo
 touches every page of every weight once, because a zero-copy load defers page faults to first use and a fair
 total includes them.
 
-    python -m zerocopy_pickle.cache.scenario plain|cache vae|wrapper|remote PATHS_JSON DTYPE
+    python -m zerocopy_pickle.cache.scenario plain|cache|autostart vae|wrapper|remote PATHS_JSON DTYPE
+
+``cache`` runs against a server started (and ready) beforehand; ``autostart`` is the first call of the day:
+``patch_all()`` with no server running, which starts one (:func:`measure_autostart`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -26,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from .client import Client
-from .messages import StatusRequest
-from .protocol import CacheError
+from .messages import StatusReply, StatusRequest, Stop
+from .protocol import DIR_ENV, CacheError
 
-__all__ = ["REMOTE_STEP", "STEPS", "measure", "print_table", "run_demo"]
+__all__ = ["REMOTE_STEP", "STEPS", "measure", "measure_autostart", "print_table", "run_demo"]
 
 STEPS = ("vae", "edge", "depth", "pipeline")
 REMOTE_STEP = "remote"  # the remote variant's fifth step: the model whose classes live in transformers_modules
@@ -64,6 +70,8 @@ def _run_steps(mode: str, variant: str, paths: dict[str, str], dtype_name: str) 
         from . import patch_all
 
         patch_all(autostart=mode == "autostart")
+    elif mode != "plain":
+        raise ValueError(f"unknown mode {mode!r}: plain, cache or autostart")
     from diffusers import AutoencoderKL, ControlNetModel, StableDiffusionControlNetPipeline
     from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
 
@@ -139,41 +147,97 @@ def _one_run(env: dict[str, str], mode: str, variant: str, paths: dict[str, str]
     return result
 
 
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _stop_started_server(directory: Path, wait: float = 10.0) -> None:
+    """Stop the server a run started in ``directory`` (if one started), by its pid and its loader's."""
+    deadline = time.monotonic() + wait
+    status = None
+    while status is None and time.monotonic() < deadline:
+        try:
+            with Client(directory / "server.sock", timeout=5) as client:
+                reply, _, _ = client.request(StatusRequest())
+            status = StatusReply.decode(reply).status
+        except CacheError:
+            time.sleep(0.1)
+    if status is None:
+        return
+    pids = [pid for pid in (status.get("pid"), status.get("loader_pid")) if isinstance(pid, int)]
+    with contextlib.suppress(CacheError), Client(directory / "server.sock", timeout=5) as client:
+        client.request(Stop())
+    deadline = time.monotonic() + wait
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in pids:
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def measure_autostart(paths: dict[str, str], variant: str, dtype: str = "float32") -> dict[str, Any]:
+    """The first call of the day: one run with ``patch_all()`` and no server running yet, in a fresh private
+    cache directory (so the run starts its own server, as a user's first program does); that server is stopped
+    afterwards."""
+    directory = Path(tempfile.mkdtemp(prefix="zcp-autostart-")) / "cache"
+    directory.mkdir(mode=0o700)
+    try:
+        return _one_run({**os.environ, DIR_ENV: str(directory)}, "autostart", variant, paths, dtype)
+    finally:
+        _stop_started_server(directory)
+        shutil.rmtree(directory.parent, ignore_errors=True)
+
+
 def measure(
     paths: dict[str, str],
     *,
     runs: int,
     variants: tuple[str, ...] = ("vae", "wrapper", "remote"),
     dtype: str = "float32",
+    autostart: bool = False,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Run the scenario ``runs`` times plain and ``runs`` times through a fresh cache server, per variant.
+    """Run the scenario ``runs`` times plain and ``runs`` times through a fresh cache server, per variant; with
+    ``autostart``, also once with no server running (:func:`measure_autostart`) before the server is started.
 
     Returns:
-        ``{"plain/vae": [run, ...], "cache/vae": [...], ...}``; the first cache run of a variant is its miss.
+        ``{"plain/vae": [run, ...], "autostart/vae": [run], "cache/vae": [...], ...}``; the first cache run of a
+        variant is its miss.
     """
     results: dict[str, list[dict[str, Any]]] = {}
     for variant in variants:
         results[f"plain/{variant}"] = [_one_run(dict(os.environ), "plain", variant, paths, dtype) for _ in range(runs)]
+        if autostart:
+            results[f"autostart/{variant}"] = [measure_autostart(paths, variant, dtype)]
         with private_server() as env:
             results[f"cache/{variant}"] = [_one_run(env, "cache", variant, paths, dtype) for _ in range(runs)]
     return results
 
 
 def print_table(results: dict[str, list[dict[str, Any]]]) -> None:
-    """Seconds per step, per run, like Overmind's table; then medians of the warm runs."""
+    """Seconds per step, per run, like Overmind's table; then medians of the warm runs.
+
+    ``results`` maps ``MODE/VARIANT`` to runs; the warm runs are every run of ``plain/...``, every run after the
+    first of the others (a mode with one run, such as ``autostart/...``, has none).
+    """
     steps = STEPS if all(REMOTE_STEP not in run for runs in results.values() for run in runs) else (*STEPS, REMOTE_STEP)
     columns = (*steps, "load", "touch", "total")
-    print(f"  {'run':<24}" + "".join(f"{c:>10}" for c in columns))
+    width = max([24, *(len(name) + 7 for name in results)])
+    print(f"  {'run':<{width}}" + "".join(f"{c:>10}" for c in columns))
     for name, runs in results.items():
         for i, run in enumerate(runs):
             label = f"{name}, {'1st' if i == 0 else f'{i + 1}th' if i > 2 else ('2nd', '3rd')[i - 1]}"
-            print(f"  {label:<24}" + "".join(f"{run[c]:10.3f}" if c in run else f"{'-':>10}" for c in columns))
-    print("\n  warm medians (plain: every run; cache: every run after the first)")
+            print(f"  {label:<{width}}" + "".join(f"{run[c]:10.3f}" if c in run else f"{'-':>10}" for c in columns))
+    print("\n  warm medians (plain: every run; the others: every run after the first)")
     for name, runs in results.items():
         warm = runs if name.startswith("plain") else runs[1:]
         if warm:
             print(
-                f"  {name:<24}"
+                f"  {name:<{width}}"
                 + "".join(
                     f"{statistics.median(r[c] for r in warm):10.3f}" if c in warm[0] else f"{'-':>10}" for c in columns
                 )
