@@ -527,6 +527,8 @@ class _Filer:
             code = 1
             try:
                 gc.disable()  # short-lived, and a collection would write to (copy) every page of the heap
+                with contextlib.suppress(OSError):
+                    os.nice(10)  # background work: the caller, loading on, comes first
                 for fd in self._writers:
                     os.close(fd)  # other filings' write ends: their ends must be able to close
                 _detach_stdio()
