@@ -103,6 +103,17 @@ def private_dir() -> Iterator[Path]:
         shutil.rmtree(parent, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def running_server(*args: str) -> Iterator[ServerProcess]:
+    """A server (``zerocopy-pickle serve *args``) in a private directory, stopped at the end."""
+    with private_dir() as directory:
+        process = ServerProcess(directory, *args)
+        try:
+            yield process
+        finally:
+            process.stop()
+
+
 def run_client(
     server: ServerProcess, code: str, *args: str, check: bool = True, cwd: Path | None = None, **env: str
 ) -> dict[str, Any]:

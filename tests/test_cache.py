@@ -25,7 +25,7 @@ from zerocopy_pickle.cache import protocol
 from zerocopy_pickle.cache.server import Server
 from zerocopy_pickle.demo import build_controlnet_pipeline
 
-from .cache_helpers import ServerProcess, build_gpt2, private_dir, run_client, wait_until
+from .cache_helpers import ServerProcess, build_gpt2, private_dir, run_client, running_server, wait_until
 from .conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -103,12 +103,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture
 def server() -> Iterator[ServerProcess]:
-    with private_dir() as directory:
-        process = ServerProcess(directory)
-        try:
-            yield process
-        finally:
-            process.stop()
+    with running_server() as process:
+        yield process
 
 
 def test_gpt2_miss_then_hit_with_identical_outputs(server: ServerProcess, models: dict[str, str]) -> None:

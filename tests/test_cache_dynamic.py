@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from .cache_helpers import ServerProcess, private_dir, run_client
+from .cache_helpers import ServerProcess, run_client, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -119,12 +119,8 @@ def server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[ServerPr
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("HF_MODULES_CACHE", raising=False)
-    with private_dir() as directory:
-        process = ServerProcess(directory)
-        try:
-            yield process
-        finally:
-            process.stop()
+    with running_server() as process:
+        yield process
 
 
 def hit_in_a_fresh_process(server: ServerProcess, code: str, *args: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from zerocopy_pickle.cache import protocol
 from zerocopy_pickle.cache.client import Client
 from zerocopy_pickle.cache.messages import BufferRow, Call, Get, JobResult, Put
 
-from .cache_helpers import ServerProcess, build_gpt2, private_dir, run_client, wait_until
+from .cache_helpers import ServerProcess, build_gpt2, private_dir, run_client, running_server, wait_until
 from .conftest import REPO, run_python
 
 pytestmark = pytest.mark.slow
@@ -57,12 +57,8 @@ def plain_sum(gpt2: str) -> float:
 
 @pytest.fixture
 def server() -> Iterator[ServerProcess]:
-    with private_dir() as directory:
-        process = ServerProcess(directory)
-        try:
-            yield process
-        finally:
-            process.stop()
+    with running_server() as process:
+        yield process
 
 
 def test_first_call_with_no_server_loads_here_and_fills_the_cache(gpt2: str, plain_sum: float) -> None:
