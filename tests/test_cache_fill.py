@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -190,3 +191,22 @@ def test_the_server_checks_what_a_client_files(server: ServerProcess) -> None:
     with Client(server.directory / "server.sock", timeout=30) as client:
         reply, _, fds = client.request(Get("k-other", Call("tests.cache_helpers:where_am_i"), fill=True))
     assert reply == {"ok": True, "miss": True, "files": True} and fds == []
+
+
+def test_a_call_that_raises_raises_in_the_caller_and_files_nothing(server: ServerProcess, tmp_path: Path) -> None:
+    code = """
+import json, sys, warnings
+warnings.simplefilter("always")
+import torch
+from zerocopy_pickle import cache
+cache.patch_all(autostart=False)
+try:
+    torch.load(sys.argv[1])
+except FileNotFoundError as e:
+    print(json.dumps({"raised": type(e).__name__}))
+"""
+    result = run_client(server, code, str(tmp_path / "missing.pt"))
+    assert result["raised"] == "FileNotFoundError"
+    assert "CacheWarning" not in result["stderr"], result["stderr"]
+    status = server.status()
+    assert (status["misses"], status["entries"]) == (1, [])
