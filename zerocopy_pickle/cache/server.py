@@ -8,7 +8,7 @@ at once: the client loads the call itself, as it would without the cache, and se
 as the entry. A ``get`` without ``fill`` goes to the loader (``loader.py``) on a miss: concurrent requests for the
 same key wait for one load. The server imports neither torch nor any model library, so it starts in a fraction
 of a second and never holds a CUDA context; the loader's zygote, which pays the imports once, is started when
-the first load needs it (or at once with ``eager_loader``).
+the first load needs it.
 
 Run with ``zerocopy-pickle serve`` (``--max-bytes``, ``--persist DIR``), or let a patched client start it.
 """
@@ -75,8 +75,6 @@ class Server:
             copying their bytes into memfds (``filebacked.py``).
         workdir: what relative paths in requests resolve against (the loader's children run calls there); the
             zygote itself runs in the socket's (private) directory. Default: the working directory.
-        eager_loader: start the loader's zygote when serving starts, not when the first load needs it (a client
-            that fills its own misses never needs it; its imports cost seconds of CPU).
     """
 
     def __init__(
@@ -88,10 +86,8 @@ class Server:
         loader_timeout: float = LOADER_TIMEOUT,
         file_segments: bool = True,
         workdir: str | None = None,
-        eager_loader: bool = False,
     ) -> None:
         self.path = path
-        self.eager_loader = eager_loader
         self.workdir = workdir if workdir is not None else os.getcwd()
         self.file_segments = file_segments
         self.store = Store(max_bytes, persist, key_dir=path.parent)
@@ -133,8 +129,8 @@ class Server:
         if self._listener is None:
             self.bind()
         assert self._listener is not None
-        if self.eager_loader:
-            self._start_zygote()
+        # The loader's zygote is started by the first load that needs it (_submit): clients that load their own
+        # misses never do, and its imports would cost seconds of CPU beside a caller's first load.
         self._listener.settimeout(0.5)
         try:
             while not self.stopping.is_set():
@@ -313,7 +309,10 @@ class Server:
         try:
             if request.args_nbytes > len(payload):
                 raise CacheError("a put's arguments are longer than its payload")
-            if self.store.peek(get.key) is not None:
+            if self.store.peek(get.key) is not None:  # filed already: keep that one
+                for fd in fds:
+                    os.close(fd)
+                fds = []
                 send(conn, Done().encode())
                 return
             if result.files and not self.file_segments:
