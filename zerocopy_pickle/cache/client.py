@@ -5,8 +5,9 @@ The cache may make a load faster, never slower, and never make it fail. A hit is
 segments. On a miss, and when no server runs yet (``patch_all()`` then starts one in the background without
 waiting for it), the caller loads the call itself, exactly as the plain call would, and gets the result at once;
 what it loaded is captured into an entry right away (pickled, its untouched checkpoint views referenced, any other
-storage copied into a sealed memfd: ``entries.capture``) and sent to the server by a background thread (a
-``put``), so the next process gets a hit. If the server is dead, slow or broken, or a call cannot be keyed,
+storage copied into a sealed memfd: ``entries.capture``) and sent to the server (a ``put``) by a forked child, or,
+where CUDA is initialized, captured in the calling thread and sent by a background thread (:class:`_Filer`), so
+the next process gets a hit. If the server is dead, slow or broken, or a call cannot be keyed,
 :func:`cached_call` calls the original loader directly and warns once per cause.
 
 ``ZEROCOPY_PICKLE_CACHE_FILL=server`` makes misses load in the server's loader instead (the caller waits for it;
@@ -124,8 +125,9 @@ class _ArgumentPickler(entries.RefPickler):
 
 
 def _stat_row(st: os.stat_result) -> list[int]:
-    """A file's identity as a fingerprint row holds it: size, mtime, ctime (ns), inode, device."""
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+    """A file's identity as a fingerprint row holds it: the fields of a :class:`FileCheck` after its path (the
+    checks the server makes on every hit are built from these rows, so both come from one definition)."""
+    return list(FileCheck.of("", st)[1:])
 
 
 def _fingerprint(path: str) -> list[Any]:
