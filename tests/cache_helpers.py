@@ -65,6 +65,14 @@ class ServerProcess:
     def open_fds(self) -> int:
         return len(os.listdir(f"/proc/{self.pid}/fd"))
 
+    def fd_targets(self) -> list[str]:
+        """What each of the server's open fds refers to (``/memfd:NAME (deleted)`` for a memfd)."""
+        targets = []
+        for fd in os.listdir(f"/proc/{self.pid}/fd"):
+            with contextlib.suppress(FileNotFoundError):  # closed while we looked
+                targets.append(os.readlink(f"/proc/{self.pid}/fd/{fd}"))
+        return targets
+
     def rss(self) -> int:
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):

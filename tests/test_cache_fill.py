@@ -125,8 +125,8 @@ def _request(server: ServerProcess, put: Put, payload: bytes, fds: list[int]) ->
             return {"ok": False, "error": str(e)}
 
 
-def _memfd(data: bytes, *, sealed: bool) -> int:
-    fd = arena.create_memfd("test-put")
+def _memfd(data: bytes, *, sealed: bool, name: str = "test-put") -> int:
+    fd = arena.create_memfd(name)
     os.write(fd, data)
     if sealed:
         arena.seal(fd)
@@ -170,14 +170,18 @@ def test_the_server_checks_what_a_client_files(server: ServerProcess) -> None:
     assert server.status()["entries"] == []
     wait_until(lambda: server.open_fds() == fds_before, "the server to close every fd of the refused puts")
 
-    # A valid put is filed; a second put for the same key keeps the first entry.
-    for data in (b"\1" * 8, b"\2" * 8):
-        fd = _memfd(data, sealed=True)
+    # A valid put is filed; a second put for the same key keeps the first entry and closes its own memfd.
+    for data, name in ((b"\1" * 8, "test-put-first"), (b"\2" * 8, "test-put-duplicate")):
+        fd = _memfd(data, sealed=True, name=name)
         try:
             assert _request(server, _put("k-good", [], rows, True), _stream(), [fd])["ok"]
         finally:
             os.close(fd)
     assert [e["key"] for e in server.status()["entries"]] == ["k-good"]
+    wait_until(
+        lambda: not any("test-put-duplicate" in target for target in server.fd_targets()),
+        "the server to close the duplicate put's memfd",
+    )
     with Client(server.directory / "server.sock", timeout=30) as client:
         get = Get("k-good", Call("tests.cache_helpers:where_am_i"), fill=True)
         reply, stream, fds = client.request(get)
