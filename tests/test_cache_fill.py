@@ -39,7 +39,13 @@ if sys.argv[3] == "change":  # what a user may do right after loading: change th
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-print(json.dumps({"sum": float(logits.double().sum()), "key": cache.cached_key(model), "pid": os.getpid()}))
+client._filer.drain()
+import gc, time
+deadline = time.monotonic() + 60  # the reaper thread thaws the heap once it has waited for the filing child
+while gc.get_freeze_count() and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(json.dumps({"sum": float(logits.double().sum()), "key": cache.cached_key(model), "pid": os.getpid(),
+                  "frozen": gc.get_freeze_count()}))
 """
 
 
@@ -93,6 +99,7 @@ def test_a_miss_loads_in_the_caller_and_the_next_process_hits(
 ) -> None:
     first = run_client(server, CLIENT, gpt2, "no-autostart", "keep", how)
     assert first["sum"] == plain_sum and first["key"] is not None
+    assert first["frozen"] == 0  # the heap frozen for the filing child was thawed once it was gone
     status = server.status()
     assert (status["hits"], status["misses"], len(status["entries"])) == (0, 1, 1)
     assert status["loader_pid"] is None  # no zygote was started for it

@@ -3,6 +3,7 @@ directory, keys, and what the server and the zygote import. The end-to-end behav
 
 from __future__ import annotations
 
+import gc
 import json
 import mmap
 import os
@@ -13,7 +14,7 @@ import pytest
 
 from tests.conftest import run_python
 from zerocopy_pickle import arena
-from zerocopy_pickle.cache import filebacked, loader, protocol
+from zerocopy_pickle.cache import client, filebacked, loader, protocol
 from zerocopy_pickle.cache.client import Uncacheable, _fingerprint, describe
 from zerocopy_pickle.cache.messages import MAX_FILE_CHECKS, BufferRow, FileCheck, Get
 from zerocopy_pickle.cache.store import Entry, Store
@@ -389,3 +390,35 @@ def test_store_refuses_a_file_segment_that_is_not_a_regular_file() -> None:
     with pytest.raises(protocol.CacheError, match="not a regular file"):
         store.add(entry("x", [(-1, 0, 1)]), None, [read_end])
     store.close()
+
+
+def test_filing_children_keep_the_heap_out_of_collections_until_the_last_one_is_gone() -> None:
+    freeze = client._GcFreeze()
+    assert gc.get_freeze_count() == 0
+    try:
+        freeze.before_fork()
+        first = gc.get_freeze_count()
+        assert first > 0  # every object tracked at the fork is frozen
+        later = [object() for _ in range(3)], {"made": "after the first fork"}
+        freeze.before_fork()  # a second filing while the first child lives freezes what came since
+        assert gc.get_freeze_count() > first
+        freeze.child_gone()
+        assert gc.get_freeze_count() > first  # one child is still alive
+        freeze.child_gone()
+        assert gc.get_freeze_count() == 0  # every child gone: all of it is collected as usual again
+        del later
+    finally:
+        gc.unfreeze()
+
+
+def test_filing_leaves_a_program_s_own_gc_freeze_alone() -> None:
+    freeze = client._GcFreeze()
+    try:
+        gc.freeze()  # the program's own (a pre-fork server does this before forking its workers)
+        own = gc.get_freeze_count()
+        freeze.before_fork()
+        assert gc.get_freeze_count() == own
+        freeze.child_gone()
+        assert gc.get_freeze_count() == own  # not thawed: gc.unfreeze cannot tell its objects from ours
+    finally:
+        gc.unfreeze()
