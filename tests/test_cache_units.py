@@ -422,3 +422,18 @@ def test_filing_leaves_a_program_s_own_gc_freeze_alone() -> None:
         assert gc.get_freeze_count() == own  # not thawed: gc.unfreeze cannot tell its objects from ours
     finally:
         gc.unfreeze()
+
+
+def test_filing_never_thaws_what_a_program_froze_while_children_lived() -> None:
+    freeze = client._GcFreeze()
+    try:
+        freeze.before_fork()
+        ours = gc.get_freeze_count()
+        made_later = [[] for _ in range(100)]  # tracked objects that only a second freeze can catch
+        gc.freeze()  # the program's own, while the filing child lives
+        assert gc.get_freeze_count() > ours
+        freeze.child_gone()
+        assert gc.get_freeze_count() > ours  # left frozen: unfreezing would undo the program's freeze too
+        del made_later
+    finally:
+        gc.unfreeze()

@@ -553,7 +553,11 @@ class _Filer:
                     log.exception("zerocopy_pickle cache: filing %s failed", put.request.describe or "a call")
             finally:
                 os._exit(code)
-        threading.Thread(target=_reap, args=(pid,), name="zerocopy_pickle-reap", daemon=True).start()
+        try:
+            threading.Thread(target=_reap, args=(pid,), name="zerocopy_pickle-reap", daemon=True).start()
+        except BaseException:
+            _gc_freeze.child_gone()  # no reaper to thaw the heap later: thaw it now
+            raise
 
     def _send_after(self, put: Put, payload: bytes, fds: list[int], previous: int | None, write: int) -> None:
         try:
@@ -623,14 +627,16 @@ class _GcFreeze:
     objects are skipped by collections; new ones are collected as usual, and the frozen ones rejoin the oldest
     generation when the last child is gone (cyclic garbage among them is collected late, never lost).
 
-    A program that froze objects itself (``gc.get_freeze_count()`` was not 0) is left alone: ``gc.unfreeze``
-    cannot tell its objects from ours.
+    ``gc.unfreeze`` cannot tell a program's frozen objects from ours, so a program's own freeze is never undone: where
+    objects were frozen before the first filing, nothing is frozen for it; where the program freezes while filing
+    children live (the count grew beyond what this class froze), nothing is thawed.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._children = 0
         self._frozen = False  # whether this process froze, and so is to unfreeze
+        self._count = 0  # gc.get_freeze_count() after this class's last freeze (it only falls as objects die)
 
     def before_fork(self) -> None:
         with self._lock:
@@ -638,6 +644,7 @@ class _GcFreeze:
                 self._frozen = gc.get_freeze_count() == 0
             if self._frozen:
                 gc.freeze()
+                self._count = gc.get_freeze_count()
             self._children += 1
 
     def child_gone(self) -> None:
@@ -645,7 +652,8 @@ class _GcFreeze:
             self._children -= 1
             if self._children == 0 and self._frozen:
                 self._frozen = False
-                gc.unfreeze()
+                if gc.get_freeze_count() <= self._count:  # nobody else froze meanwhile
+                    gc.unfreeze()
 
 
 _gc_freeze = _GcFreeze()
