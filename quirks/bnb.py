@@ -39,7 +39,9 @@ that the rebuild functions map to the class; a subclass travels as a class objec
 only through ``allow=`` and which must still derive from the class the rebuild builds. ``QuantState`` is built
 field by field from the checked ``as_dict(packed=True)`` record (its JSON blob decoded here, at most 4 KiB), never
 through ``QuantState.from_dict``, which resolves the dtype with ``getattr(torch, <string from the stream>)``; the
-shape must fit the blocks ``absmax`` covers and the 4-bit values the data holds. ``MatmulLtState``
+shape must fit the blocks ``absmax`` covers and the 4-bit values the data holds, the data and every statistic
+must be dense (contiguous: bitsandbytes' kernels read them from their data pointer), and in the CPU layout
+``absmax`` and the data must have exactly the shapes that layout gives an ``(N, K)`` weight. ``MatmulLtState``
 (``Linear8bitLt.state``) is reduced to its known fields and rebuilt from them. Snapshots written before these
 rules that name ``Params4bit``/``Int8Params``/``MatmulLtState`` as classes load with ``trusted=True`` (or
 ``allow=``).
@@ -233,8 +235,10 @@ def _quant_state_from_record(stats: object, layout: object, where: str) -> Any:
     ``QuantState.from_dict``, which resolves the dtype with ``getattr(torch, <string>)``), on the device its
     ``absmax`` was loaded to. Every check runs before bitsandbytes is imported."""
     record = validate.expect_keys(stats, _STATS_KEYS, where, "quantization statistics")
-    absmax = validate.expect_tensor(record.get("absmax"), where, "absmax", dim=1)
-    code = validate.expect_tensor(record.get("quant_map"), where, "quant_map", dim=1)
+    checked_layout = _check_layout(layout, where)
+    packed_for_cpu = checked_layout.get("packing_format_for_cpu") is True
+    absmax = _dense(record.get("absmax"), where, "absmax", dim=2 if packed_for_cpu else 1)
+    code = _dense(record.get("quant_map"), where, "quant_map", dim=1)
     if code.numel() > _MAX_CODE:
         fail(where, f"quant_map has {code.numel()} entries (at most {_MAX_CODE})")
     plain = _plain_stats(record, where)
@@ -246,12 +250,14 @@ def _quant_state_from_record(stats: object, layout: object, where: str) -> Any:
         fail(where, f"shape {tuple(shape)} has more elements than {absmax.numel()} blocks of {blocksize} cover")
     nested_keys: list[str] = [key for key in ("nested_absmax", "nested_quant_map") if key in record]
     nested_keys += [key for key in ("nested_blocksize", "nested_dtype", "nested_offset") if key in plain]
+    if packed_for_cpu:
+        _check_cpu_packed_stats(absmax, shape, blocksize, nested_keys, where)
     nested = None
     if nested_keys:
         if len(nested_keys) != 5:
             fail(where, f"nested statistics are incomplete: {sorted(nested_keys)}")
-        nested_absmax = validate.expect_tensor(record["nested_absmax"], where, "nested_absmax", dim=1)
-        nested_code = validate.expect_tensor(record["nested_quant_map"], where, "nested_quant_map", dim=1)
+        nested_absmax = _dense(record["nested_absmax"], where, "nested_absmax", dim=1)
+        nested_code = _dense(record["nested_quant_map"], where, "nested_quant_map", dim=1)
         if nested_code.numel() > _MAX_CODE:
             fail(where, f"nested_quant_map has {nested_code.numel()} entries (at most {_MAX_CODE})")
         nested_blocksize = validate.expect_int(plain["nested_blocksize"], where, "nested_blocksize", 1, _MAX_BLOCKSIZE)
@@ -260,7 +266,6 @@ def _quant_state_from_record(stats: object, layout: object, where: str) -> Any:
         if absmax.numel() > nested_absmax.numel() * nested_blocksize:
             fail(where, "absmax has more entries than the nested statistics cover")
         nested = (nested_absmax, nested_code, nested_blocksize, nested_dtype, nested_offset)
-    checked_layout = _check_layout(layout, where)
     device = absmax.device
     quant_state_cls = _bnb_functional().QuantState
     offset = state2 = None
@@ -282,6 +287,32 @@ def _quant_state_from_record(stats: object, layout: object, where: str) -> Any:
     )
     _apply_layout(quant_state, checked_layout)
     return quant_state
+
+
+def _dense(value: object, where: str, what: str, *, dim: int) -> torch.Tensor:
+    """An exact tensor of ``dim`` dimensions whose elements lie one after another in memory: bitsandbytes' kernels
+    read statistics and packed weights from their data pointer as dense arrays, and a view with zero or larger
+    strides (which still fits its storage) would have them read past it."""
+    tensor = validate.expect_tensor(value, where, what, dim=dim)
+    if not tensor.is_contiguous():
+        fail(where, f"{what} is not contiguous (strides {tensor.stride()} for shape {tuple(tensor.shape)})")
+    return tensor
+
+
+def _check_cpu_packed_stats(
+    absmax: torch.Tensor, shape: torch.Size, blocksize: int, nested_keys: list[str], where: str
+) -> None:
+    """The statistics of a weight in bitsandbytes' CPU layout (``_convert_weight_packed_for_cpu``, on CPUs with
+    AVX512-BF16): for an ``(N, K)`` weight, ``absmax`` is ``(K // blocksize, N)`` bfloat16 and the nested
+    statistics are folded into it. The CPU kernel indexes it by those sizes, so they must be exact."""
+    if len(shape) != 2 or shape[1] % blocksize:
+        fail(where, f"a CPU-packed weight's shape must be (N, K) with K a multiple of {blocksize}, not {tuple(shape)}")
+    expected = (shape[1] // blocksize, shape[0])
+    if tuple(absmax.shape) != expected or absmax.dtype is not torch.bfloat16:
+        found = f"{absmax.dtype} {tuple(absmax.shape)}"
+        fail(where, f"a CPU-packed absmax must be bfloat16 of shape {expected}, not {found}")
+    if nested_keys:
+        fail(where, f"CPU-packed statistics have no nested statistics, but hold {sorted(nested_keys)}")
 
 
 def _check_layout(layout: object, where: str) -> dict[str, Any]:
@@ -387,9 +418,15 @@ def rebuild_params4bit(
         return klass(data, requires_grad=requires_grad, **checked_attrs)
     if not data.is_floating_point() and data.dtype is not torch.uint8:
         fail(where, f"quantized data has dtype {data.dtype}")
+    if not data.is_contiguous():  # the 4-bit kernels read data.nbytes bytes from its data pointer
+        fail(where, f"quantized data is not contiguous (strides {data.stride()} for shape {tuple(data.shape)})")
     quant_state = _quant_state_from_record(stats, layout, where)
     if math.prod(quant_state.shape) > data.nbytes * 2:
         fail(where, f"shape {tuple(quant_state.shape)} has more 4-bit values than {data.nbytes} bytes of data hold")
+    if getattr(quant_state, "packing_format_for_cpu", False):
+        n, k = quant_state.shape
+        if data.dtype is not torch.uint8 or tuple(data.shape) != (n, k // 2):
+            fail(where, f"CPU-packed data must be uint8 of shape {(n, k // 2)}, not {data.dtype} {tuple(data.shape)}")
     klass = _class_arg(cls, _PARAM_CLASSES, "Params4bit", where)
     device = data.device
     # What from_prequantized does, with the QuantState built above instead of QuantState.from_dict. data stays

@@ -481,6 +481,13 @@ def _stats(**plain: Any) -> dict[str, Any]:
     }
 
 
+def _packed_stats(shape: list[int] | None = None, absmax: torch.Tensor | None = None) -> dict[str, Any]:
+    """The statistics of a (32, 64) weight in bitsandbytes' CPU layout (blocksize 64): absmax (1, 32) bfloat16."""
+    stats = _stats(shape=shape or [32, 64], dtype="bfloat16")
+    stats["absmax"] = torch.ones(1, 32, dtype=torch.bfloat16) if absmax is None else absmax
+    return stats
+
+
 def test_rebuild_quant_state_never_resolves_stream_names() -> None:
     """QuantState.from_dict does getattr(torch, <dtype string>): the quirk builds the QuantState itself, dtype by
     name from a fixed table, every field checked (the hostile values of the attacker's review)."""
@@ -488,6 +495,8 @@ def test_rebuild_quant_state_never_resolves_stream_names() -> None:
 
     genuine = bnb.rebuild_quant_state(_stats(), {})
     assert genuine.dtype is torch.float32 and genuine.shape == (8, 8) and not genuine.nested
+    packed = bnb.rebuild_quant_state(_packed_stats(), {"packing_format_for_cpu": True})
+    assert packed.packing_format_for_cpu and packed.absmax.shape == (1, 32)
     hostile: list[tuple[Any, Any]] = [
         (_stats(dtype="__class__"), {}),
         (_stats(dtype="system"), {}),
@@ -506,6 +515,18 @@ def test_rebuild_quant_state_never_resolves_stream_names() -> None:
         (_stats(), {"original_qshape": (2**63,)}),
         (_stats(), {"unknown": True}),
         ([("absmax", torch.ones(1))], {}),
+        ({**_stats(), "absmax": torch.ones(4)[::2]}, {}),  # not contiguous: the kernels read it as a dense array
+        ({**_stats(), "absmax": torch.ones(1).expand(4)}, {}),  # stride 0: four blocks "covered" by one float
+        # The CPU layout (bitsandbytes on AVX512-BF16 CPUs): absmax (K // blocksize, N) bfloat16, nothing nested.
+        (_stats(shape=[32, 64]), {"packing_format_for_cpu": True}),  # 1-D absmax
+        (_packed_stats(absmax=torch.ones(2, 16, dtype=torch.bfloat16)), {"packing_format_for_cpu": True}),
+        (_packed_stats(absmax=torch.ones(1, 32)), {"packing_format_for_cpu": True}),  # float32
+        (_packed_stats(shape=[32, 48]), {"packing_format_for_cpu": True}),  # K not a multiple of the blocksize
+        (_packed_stats(shape=[2, 32, 64]), {"packing_format_for_cpu": True}),
+        (
+            {**_packed_stats(), "nested_absmax": torch.ones(1), "nested_quant_map": torch.zeros(256)},
+            {"packing_format_for_cpu": True},
+        ),
     ]
     for stats, layout in hostile:
         with pytest.raises(zp.UnsafeArgumentError):
@@ -518,6 +539,18 @@ def test_hostile_streams_calling_the_rebuilds_are_refused(tmp_path: Path) -> Non
     from zerocopy_pickle_quirks import bnb
 
     data = torch.zeros(32, dtype=torch.uint8)
+    packed = {"packing_format_for_cpu": True}
+    direct: list[tuple[Any, ...]] = [
+        # 64 bytes for 64 4-bit values, but a stride-0 view of one row: the kernels would read past its storage.
+        ("Params4bit", torch.zeros(32, dtype=torch.uint8)[None].expand(2, 32), _stats(), {}, {}, False),
+        ("Params4bit", torch.zeros(16, 64, dtype=torch.uint8), _packed_stats(), packed, {}, False),  # not (32, 32)
+        ("Params4bit", torch.zeros(32 * 32, dtype=torch.uint8), _packed_stats(), packed, {}, False),
+    ]
+    for args in direct:
+        with pytest.raises(zp.UnsafeArgumentError):
+            bnb.rebuild_params4bit(*args)
+    assert bnb.rebuild_params4bit("Params4bit", torch.zeros(32, 32, dtype=torch.uint8), _packed_stats(), packed, {},
+                                  False).quant_state.packing_format_for_cpu  # fmt: skip
     calls: list[Any] = [
         (bnb.rebuild_params4bit, "Parameter", data, None, {}, {}, False),
         (bnb.rebuild_params4bit, "Params4bit", data, _stats(shape=[64, 64]), {}, {}, False),  # > 2 values a byte
