@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cache import _paths  # benchmarks/ is sys.path[0] when run as a script
+
 from zerocopy_pickle.cache import scenario
 from zerocopy_pickle.cache.protocol import DIR_ENV
 
@@ -32,9 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--dtype", default="float16")
     args = parser.parse_args(argv)
-    root = Path(args.models)
-    paths = {"pipeline": str(root / "pipeline"), "edge": str(root / "controlnet-edge"),
-             "depth": str(root / "controlnet-depth"), "remote": str(root / "remote-model")}  # fmt: skip
+    paths = _paths(Path(args.models))
     rows: dict[str, list[dict[str, float]]] = {"plain": [], "no server": [], "hit": [], "miss": []}
     for _ in range(args.rounds):
         rows["plain"].append(scenario._one_run(dict(os.environ), "plain", args.variant, paths, args.dtype))

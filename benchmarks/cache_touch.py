@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cache import _paths  # benchmarks/ is sys.path[0] when run as a script
+
 from zerocopy_pickle.cache import scenario
 
 RUN = """
@@ -69,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--copy-files", action="store_true", help="run the server with serve --copy-files")
     args = parser.parse_args(argv)
-    root = Path(args.models)
-    paths = {"pipeline": str(root / "pipeline"), "edge": str(root / "controlnet-edge"),
-             "depth": str(root / "controlnet-depth"), "remote": str(root / "remote-model")}  # fmt: skip
+    paths = _paths(Path(args.models))
     rows: dict[str, list[dict[str, Any]]] = {}
     with scenario.private_server(*(["--copy-files"] if args.copy_files else [])) as env:
         _run(env, "cache", args.variant, paths, args.dtype)  # the miss that fills the cache
