@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from .pickler import ZeroCopyPickler, ZeroCopyUnpickler
     from .restricted import allow_function
     from .snapshot import BACKENDS, Snapshot, dump, dumps, freeze, load, loads, read_header, scan
+    from .transfer import to_device
 
 # Imported on first use (PEP 562), so that importing a submodule that needs no torch (the model cache's server,
 # zerocopy_pickle.errors) does not import torch either.
@@ -64,6 +65,7 @@ _LAZY = {
     "ZeroCopyUnpickler": "pickler",
     **dict.fromkeys(("BACKENDS", "Snapshot", "dump", "dumps", "freeze", "load", "loads", "read_header", "scan"),
                     "snapshot"),
+    "to_device": "transfer",
 }  # fmt: skip
 
 
@@ -112,5 +114,6 @@ __all__ = [
     "reducers",
     "register_reducer",
     "scan",
+    "to_device",
     "unregister_reducer",
 ]

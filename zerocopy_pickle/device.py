@@ -20,7 +20,7 @@ import torch
 
 from .errors import ArgumentError, DeviceError
 
-__all__ = ["MapLocation", "check_targets", "default_restore", "restore", "static_target"]
+__all__ = ["MapLocation", "check_device", "check_targets", "default_restore", "restore", "static_target"]
 
 MapLocation = (
     str
@@ -39,14 +39,18 @@ def _parse(location: str, map_location: MapLocation) -> torch.device:
 
 
 def _check_available(device: torch.device, saved: str, map_location: MapLocation) -> None:
-    if device.type in ("cpu", "meta"):
-        return
     hint = (
         f"the snapshot holds storages saved on {saved!r}; pass map_location='cpu' (or a dict or callable, as "
         f"for torch.load) to load them elsewhere"
     )
     if map_location is not None:
         hint = f"map_location={map_location!r:.80} sends storages saved on {saved!r} there"
+    _require(device, hint)
+
+
+def _require(device: torch.device, hint: str) -> None:
+    if device.type in ("cpu", "meta"):
+        return
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise DeviceError(f"cannot place a storage on {device}: CUDA is not available here; {hint}")
@@ -60,6 +64,15 @@ def _check_available(device: torch.device, saved: str, map_location: MapLocation
     is_available = getattr(module, "is_available", None)
     if callable(is_available) and not is_available():
         raise DeviceError(f"cannot place a storage on {device}: {device.type} is not available here; {hint}")
+
+
+def check_device(device: torch.device, what: str) -> None:
+    """Check that ``device`` exists here, for ``what`` (a call that names its target directly).
+
+    Raises:
+        DeviceError: it does not; the message says why.
+    """
+    _require(device, f"{what} sends tensors there")
 
 
 def is_cpu(location: str) -> bool:

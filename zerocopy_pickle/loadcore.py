@@ -23,8 +23,10 @@ import pickle
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from . import streamcheck
-from .device import MapLocation, check_targets
+import torch
+
+from . import rebuild, streamcheck, transfer
+from .device import MapLocation, check_targets, is_cpu, static_target
 from .errors import ArgumentError, SnapshotError, ZeroCopyPickleError
 from .pickler import ZeroCopyUnpickler
 from .registry import Registry, default_registry
@@ -71,7 +73,8 @@ def load_stream(
     plugins: Iterable[tuple[str, str]] = (),
     allow: AllowSpec = (),
     map_location: MapLocation = None,
-    locations: Iterable[str] | None = None,
+    locations: Sequence[str] | None = None,
+    tensor_buffers: Sequence[bool] | None = None,
     declared: int | None = None,
     arguments: Sequence[object] | None = None,
     uses: StreamUses | None = None,
@@ -95,6 +98,9 @@ def load_stream(
         map_location: where storages go, as for ``torch.load``.
         locations: the devices the buffers were recorded on, checked against ``map_location`` before anything is
             built (None: not known, not checked).
+        tensor_buffers: which buffers hold a tensor's storage (a snapshot header's rows with a dtype): those
+            whose target is a device with a bulk transfer (CUDA) are moved there in one transfer per device before
+            unpickling (:mod:`zerocopy_pickle.transfer`); others go storage by storage. Needs ``locations``.
         declared: the number of buffers, when ``buffers`` is a function.
         arguments: objects the stream's :func:`argument` references resolve to (trusted loads only).
         uses: the stream's analysis, if the caller has it.
@@ -131,10 +137,11 @@ def load_stream(
     registry.prepare_load(plugins, trusted=trusted)
     if callable(buffers):
         buffers = buffers()
+    placed: dict[int, torch.UntypedStorage] = {}  # filled below, once the stream is admitted
     unpickler: ZeroCopyUnpickler
     if arguments is not None:
         unpickler = _ArgumentUnpickler(
-            io.BytesIO(stream), arguments, buffers=buffers, map_location=map_location, registry=registry
+            io.BytesIO(stream), arguments, buffers=buffers, map_location=map_location, registry=registry, placed=placed
         )
     else:
         unpickler = ZeroCopyUnpickler(
@@ -146,8 +153,12 @@ def load_stream(
             registry=registry,
             plugins=[name for name, _ in plugins],
             stream_uses=uses,
+            placed=placed,
         )
     try:
+        if locations is not None and tensor_buffers is not None:
+            unpickler.admit()  # a restricted stream that would be refused moves nothing to a device
+            _place(placed, buffers, locations, tensor_buffers, map_location)
         return unpickler.load()
     except ZeroCopyPickleError:
         raise
@@ -157,3 +168,29 @@ def load_stream(
         if trusted:
             raise  # the stream's own code failed: the caller chose to run it
         raise SnapshotError(f"{where} does not rebuild: {type(e).__name__}: {e}") from e
+
+
+def _place(
+    placed: dict[int, torch.UntypedStorage],
+    buffers: Buffers,
+    locations: Sequence[str],
+    tensor_buffers: Sequence[bool],
+    map_location: MapLocation,
+) -> None:
+    """Move the tensor buffers bound to bulk-transfer devices there, one transfer per device, and record
+    ``id(buffer) -> storage`` in ``placed`` for the unpickler. A callable ``map_location`` decides storage by
+    storage, after it sees each one: nothing is moved ahead."""
+    if callable(map_location):
+        return
+    groups: dict[torch.device, list[int]] = {}
+    for index, (location, holds_tensor) in enumerate(zip(locations, tensor_buffers, strict=True)):
+        target = static_target(map_location, location) if holds_tensor else None
+        if target is None or is_cpu(target):
+            continue
+        device = transfer.device_of(target)
+        if transfer.has_backend(device):
+            groups.setdefault(device, []).append(index)
+    for device, indices in groups.items():
+        hosts = [rebuild.storage_from_buffer(buffers[index]) for index in indices]
+        for index, storage in zip(indices, transfer.move(hosts, device), strict=True):
+            placed[id(buffers[index])] = storage

@@ -405,6 +405,8 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         plugins: the names of the plugins whose safe globals this stream may use (a snapshot header's list);
             None allows every registered plugin's.
         stream_uses: the stream's analysis, when the caller already has it (:func:`zerocopy_pickle.semantics.uses`).
+        placed: ``id(buffer) -> storage`` for buffers of ``buffers`` already moved to their device (the load
+            core's bulk transfer): a storage rebuilt from one of them is that storage.
 
     Raises:
         ArgumentError: a malformed ``allow`` entry or ``map_location``.
@@ -424,9 +426,10 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         registry: Registry | None = None,
         plugins: Iterable[str] | None = None,
         stream_uses: StreamUses | None = None,
+        placed: dict[int, torch.UntypedStorage] | None = None,
     ) -> None:
         static_target(map_location, "cpu")  # reject a malformed map_location before reading anything
-        self._storage_builder = rebuild.StorageBuilder(map_location)
+        self._storage_builder = rebuild.StorageBuilder(map_location, placed)
         self._resolved: dict[tuple[str, str], object] | None = None
         self._budget = 0
         self._stream: bytes | None = None
@@ -449,14 +452,23 @@ class ZeroCopyUnpickler(pickle.Unpickler):
             self._budget = 2 * (len(self._stream) + held)
         super().__init__(file, fix_imports=fix_imports, encoding=encoding, errors=errors, buffers=buffers)
 
+    def admit(self) -> None:
+        """Check, before anything runs, that a restricted stream names only allowed globals (:meth:`load` does
+        it first too; the load core calls it before it moves storages to a device).
+
+        Raises:
+            RestrictedLoadError: the stream names globals this unpickler does not allow.
+        """
+        if self.allow_list is not None and self._resolved is None:
+            assert self._stream is not None
+            uses = self._uses if self._uses is not None else stream_uses(self._stream)
+            self._resolved = self.allow_list.admit(uses)
+
     def load(self) -> Any:
         if self.allow_list is None:
             with _sparse_tensors_checked(), _gc_paused():
                 return super().load()
-        if self._resolved is None:
-            assert self._stream is not None
-            uses = self._uses if self._uses is not None else stream_uses(self._stream)
-            self._resolved = self.allow_list.admit(uses)
+        self.admit()
         try:
             with _sparse_tensors_checked(), _gc_paused(), validate.budget(self._budget):
                 return super().load()

@@ -160,15 +160,22 @@ class StorageBuilder:
     ``zerocopy_pickle.rebuild:rebuild_storage``; the call signature is the same.
     """
 
-    __slots__ = ("_map_location", "_native", "_stays_on_cpu")
+    __slots__ = ("_map_location", "_native", "_placed", "_stays_on_cpu")
 
-    def __init__(self, map_location: MapLocation) -> None:
+    def __init__(self, map_location: MapLocation, placed: dict[int, torch.UntypedStorage] | None = None) -> None:
         self._map_location = map_location
+        # id(buffer) -> the storage the load core already moved to its device (zerocopy_pickle.transfer), for
+        # the buffers of the load's own list: they are alive for as long as the unpickler is.
+        self._placed = placed
         self._native = native.storage_builder()  # the backend is chosen once per load
         self._stays_on_cpu: dict[str, bool] = {}  # saved location -> whether its target is the CPU
 
     def __call__(self, buffer: Any, location: str) -> torch.UntypedStorage:
         # A restricted load calls this with arguments the stream chose: exact types first (Note [Safe globals]).
+        if self._placed and type(buffer) is memoryview:
+            moved = self._placed.get(id(buffer))
+            if moved is not None:
+                return moved
         if type(buffer) is memoryview and buffer.format == "B" and buffer.nbytes and not buffer.readonly:
             # The load's own slices of its mapping: skip storage_from_buffer's checks (hot path).
             build = self._native

@@ -437,6 +437,7 @@ def _load_view(
         allow=allow,
         map_location=map_location,
         locations=[entry.location for entry in header.buffers],
+        tensor_buffers=[entry.dtype is not None for entry in header.buffers],
         where=f"the pickle stream (offset {header.stream_offset})",
         registry=registry,
     )
