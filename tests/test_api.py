@@ -128,6 +128,7 @@ PUBLIC_MODULES = {
     "zerocopy_pickle.errors",
     "zerocopy_pickle.cache",
     "zerocopy_pickle.native",
+    "zerocopy_pickle.multiprocessing",
 }
 
 
