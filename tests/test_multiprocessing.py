@@ -183,3 +183,22 @@ def test_a_closed_shared_cannot_be_sent_and_its_loads_outlive_it() -> None:
     assert "closed" in repr(shared)
     with pytest.raises(zp.ZeroCopyPickleError, match="closed"):
         multiprocessing.reduction.ForkingPickler.dumps(shared)
+
+
+def test_an_existing_snapshot_file_is_shared_without_a_copy(tmp_path: Any) -> None:
+    model = build_model(seed=9)
+    zp.dump(model, tmp_path / "model.zcp")
+    with zp.Snapshot.open(tmp_path / "model.zcp") as snapshot:
+        with pytest.raises(zp.ArgumentError, match="pass trusted=True if you trust its stream"):
+            zmp.Shared.from_snapshot(snapshot)
+        shared = zmp.Shared.from_snapshot(snapshot, trusted=True)
+    assert shared.nbytes == os.path.getsize(tmp_path / "model.zcp")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=SPAWN) as executor:
+        report = executor.submit(mp_workers.describe, shared).result(TIMEOUT)
+    assert report["mapping"]["inode"] == os.stat(tmp_path / "model.zcp").st_ino, "the file's own pages"
+    assert report["output"] == expected(model)
+    shared.close()
+    with pytest.raises(zp.ZeroCopyPickleError, match="closed"):
+        zmp.Shared.from_snapshot(snapshot, trusted=True)
+    frozen = zp.freeze({"w": torch.ones(3)})
+    assert torch.equal(zmp.Shared.from_snapshot(frozen).load()["w"], torch.ones(3)), "freeze()d: trusted already"

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .errors import ZeroCopyPickleError
+from .errors import ArgumentError, ZeroCopyPickleError
 from .snapshot import Snapshot, freeze
 
 __all__ = ["Shared", "register", "registered", "unregister"]
@@ -78,6 +78,31 @@ class Shared:
 
     def __init__(self, obj: object, *, backend: str = "auto") -> None:
         self._snapshot = freeze(obj, backend=backend, name="zerocopy_pickle.shared")
+
+    @classmethod
+    def from_snapshot(cls, snapshot: Snapshot, *, trusted: bool | None = None) -> Shared:
+        """Share a snapshot that already exists, without copying it: one from :func:`zerocopy_pickle.freeze`,
+        or a snapshot file (:meth:`Snapshot.open`; its receivers then map the file's page-cache pages). The fd
+        is duplicated: ``snapshot`` stays the caller's to close.
+
+        Receivers load every ``Shared`` trusted (pickle runs code), so the snapshot must be one this process
+        trusts: ``trusted=None`` takes the snapshot's own default (True for :func:`~zerocopy_pickle.freeze`,
+        False for a file opened without a key); say ``trusted=True`` for a file you wrote yourself.
+
+        Raises:
+            ArgumentError: the snapshot is not trusted (the message says how to share it anyway).
+            ZeroCopyPickleError: ``snapshot`` is closed.
+        """
+        fd = snapshot.fd  # raises when closed
+        if not (snapshot._trusted if trusted is None else trusted):
+            raise ArgumentError(
+                "Shared.from_snapshot: the worker processes that receive a Shared load it trusted, and this "
+                "snapshot loads restricted by default; pass trusted=True if you trust its stream (a file you "
+                "wrote), or load it here and share the graph: Shared(zerocopy_pickle.load(path, allow=...))"
+            )
+        self = cls.__new__(cls)
+        self._snapshot = Snapshot.from_fd(fd, trusted=True)
+        return self
 
     @property
     def snapshot(self) -> Snapshot:
