@@ -35,6 +35,7 @@ __all__ = [
     "copy_verified",
     "sign",
     "verify_buffers",
+    "verify_file",
     "verify_signature",
     "verify_stream",
     "write_checksummed",
@@ -230,4 +231,39 @@ def verify_buffers(header: Header, buffers: Iterable[Any]) -> None:
     for i, (buffer, expected) in enumerate(zip(buffers, _recorded(header), strict=True)):
         if checksum(buffer) != expected:
             start, stop = header.buffer_range(i)
+            raise IntegrityError(f"buffer {i} at [{start}, {stop}) does not match its checksum: the data is damaged")
+
+
+def verify_file(header: Header, fd: int, chunk: int = 8 << 20) -> None:
+    """Check the stream and every buffer of the snapshot in file ``fd`` against their recorded checksums,
+    reading it with ``pread`` in pieces of ``chunk`` bytes (nothing is mapped: a file that fails is never
+    mapped).
+
+    Raises:
+        IntegrityError: the snapshot records no checksums, or the stream or a buffer does not match.
+        EOFError: the file ends before a range the header declares.
+    """
+    expected = _recorded(header)
+    xxhash = _xxh3()
+
+    def digest(start: int, stop: int) -> str:
+        hasher = xxhash.xxh3_64()
+        at = start
+        while at < stop:
+            data = os.pread(fd, min(chunk, stop - at), at)
+            if not data:
+                raise EOFError(f"the file ends at byte {at}, before byte {stop}")
+            hasher.update(data)
+            at += len(data)
+        return str(hasher.hexdigest())
+
+    assert header.checksums is not None  # _recorded checked
+    if digest(header.stream_offset, header.stream_offset + header.stream_nbytes) != header.checksums.stream:
+        raise IntegrityError(
+            f"the pickle stream (offset {header.stream_offset}, {header.stream_nbytes} bytes) does not match its "
+            f"checksum: the snapshot is damaged"
+        )
+    for i in range(len(header.buffers)):
+        start, stop = header.buffer_range(i)
+        if digest(start, stop) != expected[i]:
             raise IntegrityError(f"buffer {i} at [{start}, {stop}) does not match its checksum: the data is damaged")

@@ -21,12 +21,12 @@ import mmap
 import os
 import pickle
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import IO, Any, Union
 
 import torch
 
-from . import arena, format, integrity, loadcore, sources
+from . import arena, format, integrity, loadcore, remote, sources
 from ._version import __version__
 from .device import MapLocation
 from .errors import ArgumentError, DumpError, SnapshotError, Unpicklable, ZeroCopyPickleError
@@ -282,8 +282,9 @@ def dump(
     key: bytes | str | None = None,
     fsync: bool = False,
     registry: Registry | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> None:
-    """Write ``obj`` as a snapshot to a path or a binary file object.
+    """Write ``obj`` as a snapshot to a path, a URL or a binary file object.
 
     Every tensor storage goes into the snapshot's data region (aligned, out of band); the pickle stream holds
     only the object graph. Writing to a path is atomic: the snapshot is written to an unnamed temporary file
@@ -292,7 +293,8 @@ def dump(
 
     Args:
         obj: any picklable object graph: a tensor, a state dict, an ``nn.Module``, nested containers.
-        f: a path (``str`` or ``os.PathLike``) or a binary file object opened for writing.
+        f: a path (``str`` or ``os.PathLike``), a URL fsspec can write (``s3://bucket/model.zcp``, ``memory://...``:
+            written to a local temporary file, then uploaded whole), or a binary file object opened for writing.
         backend: ``"auto"`` (default): the C pickler, with functions and classes that cannot be imported by
             reference (lambdas, local and ``__main__`` definitions) pickled by value through cloudpickle, one
             object at a time; if that fails, the whole graph again with dill. ``"pickle"``: the C pickler
@@ -306,6 +308,7 @@ def dump(
             secret; ``load(..., key=key)`` then verifies it and may load trusted. Implies ``checksums``.
         fsync: with a path, flush the file and its directory entry to stable storage before returning.
         registry: the reducers (and plugins) to apply; default: the process's, ``default_registry()``.
+        storage_options: for a URL, the fsspec filesystem's options (credentials, ``endpoint_url``...).
 
     Raises:
         DumpError: part of the graph cannot be pickled; nothing was written. Its message and ``path`` name
@@ -313,6 +316,16 @@ def dump(
         ArgumentError: an unknown backend, or one whose package is not installed.
         OSError: writing failed (a full disk, say); a path keeps its previous contents.
     """
+    if remote.is_url(f):
+        url = str(f)
+        remote.upload(
+            url,
+            lambda path: dump(obj, path, backend=backend, checksums=checksums, key=key, registry=registry),
+            storage_options,
+        )
+        return
+    if isinstance(f, str) and f.startswith("file://"):
+        f = f.removeprefix("file://")
     if isinstance(f, (str, os.PathLike)):
         prepared = _Prepared(obj, backend, checksums, key, registry, for_file=True)
         with arena.atomic_output(f, fsync=fsync) as fd:
@@ -453,8 +466,9 @@ def load(
     verify: bool = False,
     key: bytes | str | None = None,
     registry: Registry | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
-    """Load a snapshot from a path or a binary file object.
+    """Load a snapshot from a path, a URL or a binary file object.
 
     The file is mapped ``MAP_PRIVATE`` and every storage is a view into that mapping: nothing is copied and
     pages are read when first touched. Writing to a loaded tensor copies only the touched page, privately:
@@ -487,6 +501,7 @@ def load(
             ``verify=True`` to check those too.
         registry: whose plugins the snapshot may need and whose safe globals a restricted load allows; default:
             the process's, ``default_registry()``.
+        storage_options: for a URL, the fsspec filesystem's options (credentials, ``endpoint_url``...).
 
     Returns:
         The object graph.
@@ -497,7 +512,12 @@ def load(
         RestrictedLoadError: the stream names a global this call does not allow; the message lists every
             such global and the ``allow=`` that would accept them.
         DeviceError: a storage's target device does not exist here (nothing was built).
+        FileNotFoundError: nothing at the URL.
     """
+    if remote.is_url(f):
+        f = remote.fetch(str(f), storage_options)
+    elif isinstance(f, str) and f.startswith("file://"):
+        f = f.removeprefix("file://")
     opened = sources.open_source(f, sources.LOAD, what="load", copy=copy)
     return _load_view(
         opened.view,
