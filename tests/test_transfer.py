@@ -583,3 +583,22 @@ def test_a_mapped_file_loads_to_the_device_in_one_transfer(
     for name, tensor in state.items():
         assert torch.equal(loaded[name], tensor) and fake_allocation(fake_cuda, loaded[name]) == 0
     assert loaded["tied"].untyped_storage().data_ptr() == loaded["w3"].untyped_storage().data_ptr()
+
+
+def test_a_failed_direct_copy_waits_for_the_copies_before_it_then_unlocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    storages = [torch.randint(0, 256, (n,), dtype=torch.uint8).untyped_storage() for n in (5000, 7000)]
+    fake = FakeBackend()
+    real = fake.copy
+    calls = []
+
+    def failing(dst: torch.Tensor, src: torch.Tensor) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access (fake)")
+        real(dst, src)
+
+    fake.copy = failing  # type: ignore[method-assign]
+    with pytest.raises(zp.DeviceError, match="the transfer of .* failed"):
+        transfer.move(storages, torch.device("cuda:0"), method="registered", backend=fake)
+    names = [entry[0] for entry in fake.log]
+    assert names.index("finish") < names.index("unregister") and fake.registered == {}

@@ -26,6 +26,7 @@ or a fake in the tests, which run on machines without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -402,6 +403,7 @@ def _registered(backend: Backend, storages: Sequence[torch.UntypedStorage], layo
     """Copy straight from the host pages, locked in place; False (nothing copied) when registration fails."""
     ranges = register_ranges([(storage.data_ptr(), storage.nbytes()) for storage in storages])
     done: list[int] = []
+    in_flight = False
     try:
         for address, nbytes in ranges:
             if not backend.register(address, nbytes):
@@ -410,10 +412,15 @@ def _registered(backend: Backend, storages: Sequence[torch.UntypedStorage], layo
         for storage, offset in zip(storages, layout.offsets, strict=True):
             nbytes = storage.nbytes()
             if nbytes:
+                in_flight = True
                 backend.copy(base[offset : offset + nbytes], _host_bytes(storage))
         backend.finish()  # before the pages are unlocked
+        in_flight = False
         return True
     finally:
+        if in_flight:  # a copy failed to enqueue: the ones before it must end before their pages are unlocked
+            with contextlib.suppress(Exception):
+                backend.finish()
         for address in done:
             backend.unregister(address)
 
