@@ -75,8 +75,20 @@ def describe(model: Any) -> dict[str, Any]:
     }
 
 
+_BARRIER: Any = None
+
+
+def init_barrier(barrier: Any) -> None:
+    """A Pool's initializer: the barrier :func:`describe_pair` waits on, so that two tasks run at once, in two
+    different workers."""
+    global _BARRIER
+    _BARRIER = barrier
+
+
 def describe_pair(pair: tuple[Any, int]) -> dict[str, Any]:
     model, number = pair
+    if _BARRIER is not None:
+        _BARRIER.wait(120)
     return {**describe(model), "number": number}
 
 

@@ -111,9 +111,9 @@ def test_a_module_that_cannot_be_frozen_fails_at_send(registered: None) -> None:
 def test_every_pool_worker_maps_the_same_pages_of_one_shared_model() -> None:
     model = build_model()
     shared = zmp.Shared(model)
-    with SPAWN.Pool(2) as pool:
+    with SPAWN.Pool(2, initializer=mp_workers.init_barrier, initargs=(SPAWN.Barrier(2),)) as pool:
         reports = pool.map(mp_workers.describe_pair, [(shared, i) for i in range(4)], chunksize=1)
-    assert len({r["pid"] for r in reports}) == 2
+    assert len({r["pid"] for r in reports}) == 2, "tasks wait for each other in pairs: both workers took some"
     for report in reports:
         assert is_memfd(report) and report["mapping"]["inode"] == inode_of(shared)
         assert report["output"] == expected(model)
