@@ -129,6 +129,7 @@ PUBLIC_MODULES = {
     "zerocopy_pickle.cache",
     "zerocopy_pickle.native",
     "zerocopy_pickle.multiprocessing",
+    "zerocopy_pickle.ray",
 }
 
 

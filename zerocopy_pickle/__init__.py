@@ -17,8 +17,8 @@ Loading is restricted by default: only tensors, containers and primitives. Allow
 The public modules are this namespace, :mod:`zerocopy_pickle.plugin` (for plugins), :mod:`zerocopy_pickle.testing`
 (their conformance suite), :mod:`zerocopy_pickle.validate` (argument checks for rebuild functions),
 :mod:`zerocopy_pickle.errors`, :mod:`zerocopy_pickle.cache`, :mod:`zerocopy_pickle.multiprocessing` (models for
-worker processes) and :mod:`zerocopy_pickle.native` (the optional native helpers: which backend is active,
-building them). Every other module is internal (its docstring
+worker processes), :mod:`zerocopy_pickle.ray` (models in Ray's object store) and :mod:`zerocopy_pickle.native` (the
+optional native helpers: which backend is active, building them). Every other module is internal (its docstring
 starts with "Internal:") and may change without notice.
 """
 
