@@ -7,7 +7,9 @@ buffer, and each worker maps that buffer's pages again, privately (copy-on-write
 * :class:`Frozen` (``ray.put(Frozen(pipe))``) snapshots any graph; ``ray.get`` (in any task or actor, and in
   the driver) returns the graph itself;
 * :func:`register` makes every ``torch.nn.Module`` that Ray serializes travel that way without a wrapper (also
-  a module passed as a task's or an actor's argument).
+  a module passed as a task's or an actor's argument), and every other tensor's storage travel as an
+  out-of-band buffer of its own, once per storage: ``ray.put`` of any graph (a pipeline, a state dict) then
+  places every storage in the object store.
 
 Writes: Ray's object store is shared, writable memory, and torch has no read-only tensors, so the tensors are
 never views of Ray's own mapping. They are views of a private mapping of the same pages of the store's file
@@ -37,6 +39,9 @@ from .snapshot import freeze, loads
 __all__ = ["Frozen", "RayCopyWarning", "register", "registered", "unregister"]
 
 
+_lock = threading.Lock()
+
+
 class RayCopyWarning(UserWarning):
     """A graph from Ray's object store was loaded from a private copy: this process cannot map the store's
     pages copy-on-write."""
@@ -60,15 +65,22 @@ def _mapping_of(address: int) -> tuple[int, int, int, str] | None:
     return None
 
 
-def _copy_on_write(buffer: memoryview) -> memoryview | None:
-    """A writable, private view of the same pages as ``buffer`` when it is a slice of a file mapping (Ray's
-    object store); None when it is not (bytes from a socket), or this process cannot open the mapping's file
-    (then with one :class:`RayCopyWarning`)."""
-    import numpy  # Ray's own dependency
+_store: list[tuple[int, int, int, int, int]] = []  # [(start, end, file offset, inode, fd)]: the last store mapping
 
-    address = int(numpy.frombuffer(buffer, dtype=numpy.uint8).ctypes.data) if buffer.nbytes else None
-    found = _mapping_of(address) if address is not None else None
-    if address is None or found is None or not found[3].startswith("/"):
+
+def _store_fd(address: int) -> tuple[int, int, int] | None:
+    """``(fd, start, file offset)`` of the file mapping that holds ``address``, its file opened again through
+    ``/proc/self/map_files`` (kept open for the next buffers of the same mapping: a rebuilt graph has many);
+    None when the address is not in a file mapping, or the file cannot be opened (then with one warning)."""
+    for start, end, file_offset, inode, fd in _store:
+        if start <= address < end:
+            try:  # the same range may hold another file by now (a store unmapped and mapped again)
+                if os.stat(f"/proc/self/map_files/{start:x}-{end:x}").st_ino == inode:
+                    return fd, start, file_offset
+            except OSError:
+                pass
+    found = _mapping_of(address)
+    if found is None or not found[3].startswith("/"):
         return None
     start, end, file_offset, _ = found
     try:
@@ -81,19 +93,37 @@ def _copy_on_write(buffer: memoryview) -> memoryview | None:
                 "/proc/self/map_files needs CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE); graphs are loaded from "
                 "private copies",
                 RayCopyWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         return None
-    try:
+    for entry in _store:
+        os.close(entry[4])
+    _store[:] = [(start, end, file_offset, os.fstat(fd).st_ino, fd)]
+    return fd, start, file_offset
+
+
+def _copy_on_write(buffer: memoryview) -> memoryview | None:
+    """A writable, private view of the same pages as ``buffer`` when it is a slice of a file mapping (Ray's
+    object store); None when it is not (bytes from a socket), or this process cannot open the mapping's file."""
+    import numpy  # Ray's own dependency
+
+    if not buffer.nbytes:
+        return None
+    address = int(numpy.frombuffer(buffer, dtype=numpy.uint8).ctypes.data)
+    with _lock:
+        found = _store_fd(address)
+        if found is None:
+            return None
+        fd, start, file_offset = found
         at = file_offset + (address - start)
         page = at - at % mmap.ALLOCATIONGRANULARITY
-        private = _Pinned(
-            fd, at - page + buffer.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=page
-        )
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+        try:
+            private = _Pinned(
+                fd, at - page + buffer.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=page,
+            )  # fmt: skip
+        except (OSError, ValueError):
+            return None
     private.pin = buffer  # the Ray buffer pins the object in the store as long as the mapping lives
     return memoryview(private)[at - page :]
 
@@ -109,6 +139,71 @@ def _rebuild(buffer: Any) -> Any:
     if private is None:
         return loads(view, trusted=True, copy=True)
     return loads(private, trusted=True, copy=False)
+
+
+def _rebuild_storage(buffer: Any) -> torch.UntypedStorage:
+    """The receiving side of a tensor's storage: copy-on-write pages of the store where possible, else a copy."""
+    from .rebuild import storage_from_buffer
+
+    view = memoryview(buffer).cast("B")
+    private = _copy_on_write(view) if view.readonly else view
+    return storage_from_buffer(private if private is not None else bytearray(view))
+
+
+def _rebuild_tensor(
+    storage: torch.UntypedStorage,
+    dtype: torch.dtype,
+    offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    parameter: bool,
+) -> torch.Tensor:
+    tensor = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+class _Storage:
+    """One storage of a registered ``ray.put``: every tensor over it refers to this one object, which the
+    pickler memoizes, so the storage's bytes travel once however many tensors (views, tied weights) share it."""
+
+    __slots__ = ("storage",)
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.storage = storage
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        from .pickler import storage_bytes
+
+        data = storage_bytes(self.storage)
+        return _rebuild_storage, (pickle.PickleBuffer(data) if protocol >= 5 else bytes(memoryview(data)),)
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """A dense CPU tensor or parameter that can be rebuilt with ``set_`` (anything else: Ray's own way)."""
+    return (
+        type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        and tensor.device.type == "cpu"
+        and tensor.layout is torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_nested
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and (tensor.is_leaf or not tensor.requires_grad)
+    )
+
+
+def _reduce_tensor(pickler: Any, tensor: torch.Tensor) -> tuple[Any, ...]:
+    storages = pickler.__dict__.setdefault("_zerocopy_pickle_storages", {})
+    storage = tensor.untyped_storage()
+    token = storages.get(storage._cdata)
+    if token is None:
+        token = storages[storage._cdata] = _Storage(storage)
+    arguments = (token, tensor.dtype, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()),
+                 tensor.requires_grad, type(tensor) is torch.nn.Parameter)  # fmt: skip
+    return _rebuild_tensor, arguments
 
 
 class Frozen:
@@ -140,13 +235,18 @@ class Frozen:
         self._snapshot.close()
 
 
-_lock = threading.Lock()
 _previous: list[Any] = []  # [the CloudPickler's own reducer_override] while registered
 
 
 def register() -> None:
-    """Make Ray serialize every ``torch.nn.Module`` as a :class:`Frozen` snapshot (idempotent; in the driver,
-    before ``ray.put`` or the calls that pass modules; workers need nothing: they only rebuild).
+    """Make Ray put every ``torch.nn.Module`` as a :class:`Frozen` snapshot, and every other tensor's storage
+    as an out-of-band buffer of its own (idempotent; in the driver, before ``ray.put`` or the calls that pass
+    modules or tensors; workers need nothing: they only rebuild).
+
+    So ``ray.put`` of any graph (a module, a pipeline, a state dict, a list of tensors) places every storage in
+    the object store out of band, once per storage (views and tied tensors keep sharing theirs), and
+    ``ray.get`` rebuilds each as copy-on-write pages of the store. Tensors that cannot be rebuilt over a storage
+    (CUDA, sparse, quantized, nested, subclasses, non-leaf tensors that require grad) go Ray's own way.
 
     Wraps the ``reducer_override`` of Ray's pickler (``ray.cloudpickle.CloudPickler``) in this process.
 
@@ -162,6 +262,8 @@ def register() -> None:
         def reducer_override(self: Any, obj: Any) -> Any:
             if isinstance(obj, torch.nn.Module):
                 return Frozen(obj).__reduce_ex__(5)
+            if isinstance(obj, torch.Tensor) and _plain(obj):
+                return _reduce_tensor(self, obj)
             return previous(self, obj)
 
         _previous.append(previous)
