@@ -298,3 +298,11 @@ def test_file_urls_are_local_paths(tmp_path: Path, remote_dir: Path) -> None:
     assert not remote_dir.exists(), "nothing fetched: mapped where it is"
     assert remote.is_url("s3://b/k") and remote.is_url("simplecache::s3://b/k")
     assert not remote.is_url("/tmp/x") and not remote.is_url("file:///tmp/x") and not remote.is_url(Path("s3://b"))
+
+
+def test_fsspecs_local_filesystem_goes_through_the_cache(tmp_path: Path, remote_dir: Path) -> None:
+    url = f"local://{tmp_path}/m.zcp"
+    zp.dump(state(), url)  # fsspec's LocalFileSystem: put_file
+    assert (tmp_path / "m.zcp").is_file()
+    assert equal(zp.load(url), state())
+    assert cached_files(remote_dir) == [".json", ".lock", ".zcp"]
