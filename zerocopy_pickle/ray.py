@@ -65,20 +65,24 @@ def _mapping_of(address: int) -> tuple[int, int, int, str] | None:
     return None
 
 
-_store: list[tuple[int, int, int, int, int]] = []  # [(start, end, file offset, inode, fd)]: the last store mapping
+_store: list[tuple[int, int, int, int]] = []  # [(start, end, file offset, inode)] of the last store mapping
 
 
 def _store_fd(address: int) -> tuple[int, int, int] | None:
-    """``(fd, start, file offset)`` of the file mapping that holds ``address``, its file opened again through
-    ``/proc/self/map_files`` (kept open for the next buffers of the same mapping: a rebuilt graph has many);
-    None when the address is not in a file mapping, or the file cannot be opened (then with one warning)."""
-    for start, end, file_offset, inode, fd in _store:
+    """``(fd, start, file offset)`` for the file mapping that holds ``address``: its file opened again through
+    ``/proc/self/map_files`` (the caller closes the fd); None when the address is not in a file mapping, or the
+    file cannot be opened (then with one warning). The last mapping found is remembered, so the many buffers
+    of one graph do not each read ``/proc/self/maps``; its inode is checked every time (a store unmapped and
+    another mapped at the same addresses is found again)."""
+    for start, end, file_offset, inode in _store:
         if start <= address < end:
-            try:  # the same range may hold another file by now (a store unmapped and mapped again)
-                if os.stat(f"/proc/self/map_files/{start:x}-{end:x}").st_ino == inode:
-                    return fd, start, file_offset
+            try:
+                fd = os.open(f"/proc/self/map_files/{start:x}-{end:x}", os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
-                pass
+                break
+            if os.fstat(fd).st_ino == inode:
+                return fd, start, file_offset
+            os.close(fd)
     found = _mapping_of(address)
     if found is None or not found[3].startswith("/"):
         return None
@@ -96,9 +100,7 @@ def _store_fd(address: int) -> tuple[int, int, int] | None:
                 stacklevel=4,
             )
         return None
-    for entry in _store:
-        os.close(entry[4])
-    _store[:] = [(start, end, file_offset, os.fstat(fd).st_ino, fd)]
+    _store[:] = [(start, end, file_offset, os.fstat(fd).st_ino)]
     return fd, start, file_offset
 
 
@@ -124,6 +126,8 @@ def _copy_on_write(buffer: memoryview) -> memoryview | None:
             )  # fmt: skip
         except (OSError, ValueError):
             return None
+        finally:
+            os.close(fd)  # the mapping holds the file; no fd is kept
     private.pin = buffer  # the Ray buffer pins the object in the store as long as the mapping lives
     return memoryview(private)[at - page :]
 
