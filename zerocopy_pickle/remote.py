@@ -147,6 +147,7 @@ def fetch(url: str, storage_options: Mapping[str, Any] | None = None) -> Path:
             part.unlink(missing_ok=True)
             part_meta.unlink(missing_ok=True)
             raise
+        meta.unlink(missing_ok=True)  # a crash before the new identity is written must not leave the old one
         os.replace(part, final)
         _write_json(meta, identity)
         part_meta.unlink(missing_ok=True)
