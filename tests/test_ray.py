@@ -173,7 +173,7 @@ def test_registered_tensors_outside_modules_travel_once_per_storage(cluster: Non
     weight = torch.nn.Parameter(torch.randn(512, 512), requires_grad=False)
     grad = torch.ones(3, requires_grad=True)
     state = {"base": base, "view": base[1000:2000], "tied": weight, "again": weight, "grad": grad,
-             "sparse": torch.eye(3).to_sparse(), "steps": 20}  # fmt: skip
+             "conj": torch.tensor([1 + 2j, 3 - 1j]).conj(), "steps": 20}  # fmt: skip
     got = ray.get(ray.put(state))
     assert "plasma" in mapping_of(got["base"].data_ptr())["path"]
     assert "plasma" in mapping_of(got["tied"].data_ptr())["path"]
@@ -181,6 +181,7 @@ def test_registered_tensors_outside_modules_travel_once_per_storage(cluster: Non
     assert got["view"].storage_offset() == 1000 and torch.equal(got["view"], base[1000:2000])
     assert got["again"] is got["tied"] and type(got["tied"]) is torch.nn.Parameter and not got["tied"].requires_grad
     assert torch.equal(got["tied"], weight) and got["grad"].requires_grad and got["grad"].is_leaf
-    assert torch.equal(got["sparse"].to_dense(), torch.eye(3)) and got["steps"] == 20
+    # A lazily conjugated tensor cannot be rebuilt with set_: Ray's own way, still equal.
+    assert torch.equal(got["conj"], torch.tensor([1 - 2j, 3 + 1j])) and got["steps"] == 20
     got["base"].add_(1.0)  # private
     assert torch.equal(ray.get(ray.put(state))["base"], base)
