@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 from .errors import ZeroCopyPickleError
+from .rebuild import rebuild_tensor, storage_from_buffer
 from .snapshot import freeze, loads
+from .transfer import rebuildable
 
 __all__ = ["Frozen", "RayCopyWarning", "register", "registered", "unregister"]
 
@@ -147,8 +149,6 @@ def _rebuild(buffer: Any) -> Any:
 
 def _rebuild_storage(buffer: Any) -> torch.UntypedStorage:
     """The receiving side of a tensor's storage: copy-on-write pages of the store where possible, else a copy."""
-    from .rebuild import storage_from_buffer
-
     view = memoryview(buffer).cast("B")
     private = _copy_on_write(view) if view.readonly else view
     return storage_from_buffer(private if private is not None else bytearray(view))
@@ -163,10 +163,9 @@ def _rebuild_tensor(
     requires_grad: bool,
     parameter: bool,
 ) -> torch.Tensor:
-    tensor = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
     if parameter:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+        return torch.nn.Parameter(rebuild_tensor(storage, dtype, offset, size, stride, False), requires_grad)
+    return rebuild_tensor(storage, dtype, offset, size, stride, requires_grad)
 
 
 class _Storage:
@@ -186,17 +185,9 @@ class _Storage:
 
 
 def _plain(tensor: torch.Tensor) -> bool:
-    """A dense CPU tensor or parameter that can be rebuilt with ``set_`` (anything else: Ray's own way)."""
-    return (
-        type(tensor) in (torch.Tensor, torch.nn.Parameter)
-        and tensor.device.type == "cpu"
-        and tensor.layout is torch.strided
-        and not tensor.is_quantized
-        and not tensor.is_nested
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-        and (tensor.is_leaf or not tensor.requires_grad)
-    )
+    """A tensor :mod:`zerocopy_pickle.transfer` could rebuild over a storage, and a leaf (or one that needs no
+    grad): anything else goes Ray's own way."""
+    return rebuildable(tensor) and (tensor.is_leaf or not tensor.requires_grad)
 
 
 def _reduce_tensor(pickler: Any, tensor: torch.Tensor) -> tuple[Any, ...]:

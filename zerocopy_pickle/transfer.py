@@ -55,6 +55,7 @@ __all__ = [
     "has_backend",
     "move",
     "plan",
+    "rebuildable",
     "register_ranges",
     "to_device",
 ]
@@ -452,7 +453,7 @@ _LEAVES = (
 """Objects :func:`to_device` never looks into."""
 
 
-def _bulk(tensor: torch.Tensor) -> bool:
+def rebuildable(tensor: torch.Tensor) -> bool:
     """Whether a tensor can be rebuilt on a moved storage with ``set_``: a plain dense CPU tensor. Everything
     else (subclasses such as bitsandbytes' parameters, sparse, quantized, nested, lazily conjugated or negated
     tensors) moves with its own ``.to()``, as ``Module.to`` moves it."""
@@ -477,7 +478,7 @@ class _Found:
     modules: dict[int, torch.nn.Module] = dataclasses.field(default_factory=dict)
 
     def _bulk(self, tensor: torch.Tensor) -> bool:
-        return self.target.type != "cpu" and _bulk(tensor)
+        return self.target.type != "cpu" and rebuildable(tensor)
 
     def tensor(self, holder: Any, key: Any, tensor: torch.Tensor, where: str) -> None:
         if tensor.device == self.target:
@@ -570,7 +571,7 @@ def to_device(obj: Any, device: str | torch.device, *, method: str = "auto") -> 
         raise ArgumentError(f"method must be one of {', '.join(map(repr, METHODS))}, not {method!r:.40}")
     target = device_of(device)
     devices.check_device(target, f"to_device(..., {str(device)!r})")
-    if isinstance(obj, torch.Tensor) and (target.type == "cpu" or not _bulk(obj)):
+    if isinstance(obj, torch.Tensor) and (target.type == "cpu" or not rebuildable(obj)):
         return obj.to(target)
     found = _walk(obj, target)
     storages: dict[int, torch.UntypedStorage] = {}
