@@ -202,3 +202,17 @@ def test_an_existing_snapshot_file_is_shared_without_a_copy(tmp_path: Any) -> No
         zmp.Shared.from_snapshot(snapshot, trusted=True)
     frozen = zp.freeze({"w": torch.ones(3)})
     assert torch.equal(zmp.Shared.from_snapshot(frozen).load()["w"], torch.ones(3)), "freeze()d: trusted already"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["zerocopy_pickle.multiprocessing:_receive", "zerocopy_pickle.ray:_rebuild", "zerocopy_pickle.ray:_rebuild_storage",
+     "zerocopy_pickle.ray:_rebuild_tensor"],
+)  # fmt: skip
+def test_the_receiving_functions_are_out_of_reach_of_a_restricted_load(name: str) -> None:
+    from .hostile_streams import G, as_snapshot, call, program
+
+    module, qualname = name.split(":")
+    data = as_snapshot(program(call(G(module, qualname), b"\0" * 64)))
+    with pytest.raises(zp.RestrictedLoadError, match=qualname):
+        zp.loads(data)
