@@ -8,8 +8,10 @@ is refused with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -88,6 +90,19 @@ def test_overmind_runner_remote_variant_has_the_extra_step(models: dict[str, str
         capture_output=True, text=True, check=True, timeout=600,
     )  # fmt: skip
     assert set(json.loads(proc.stdout.splitlines()[-1])) == {*COLUMNS, scenario.REMOTE_STEP}
+
+
+@pytest.mark.parametrize("mode", ["plain", "cache"])
+def test_a_run_prints_its_result_and_nothing_else(models: dict[str, str], mode: str) -> None:
+    """The demo shows a run's stderr when it fails: no third-party noise or progress bars may bury the error."""
+    with scenario.private_server() if mode == "cache" else contextlib.nullcontext(dict(os.environ)) as env:
+        runs = [
+            scenario._run_process(env, mode, "remote", models, "float32") for _ in range(2 if mode == "cache" else 1)
+        ]
+    for proc in runs:  # a cache's miss, then its hit
+        assert proc.returncode == 0, proc.stderr
+        assert set(json.loads(proc.stdout)) == {*COLUMNS, scenario.REMOTE_STEP}  # one line: the result
+        assert proc.stderr == ""
 
 
 def test_a_python_without_overmind_is_refused_with_the_reason(tmp_path: Path) -> None:

@@ -437,3 +437,48 @@ def test_filing_never_thaws_what_a_program_froze_while_children_lived() -> None:
         del made_later
     finally:
         gc.unfreeze()
+
+
+def test_cache_pickles_without_cloudpickle() -> None:
+    """cloudpickle is optional (the ``cache`` extra brings it): without it, the cache's picklers pickle by
+    reference, so a call's arguments and a model still pickle, and only what needs by-value pickling (a lambda)
+    cannot be cached; a cache that needed cloudpickle made every patched call fail without it."""
+    proc = run_python(
+        """
+        import sys
+        sys.modules["cloudpickle"] = None  # as if not installed: importing it raises, find_spec says None
+        import os, pickle, tempfile, torch
+        from zerocopy_pickle.cache import client, entries
+        assert entries.by_value() is False
+        folder = tempfile.mkdtemp()  # a local path: the key is its files' fingerprints, no Hub lookup
+        described = client.describe("transformers:PreTrainedModel.from_pretrained", None, (folder, torch.ones(2)), {})
+        pickled = entries.pickle_with_refs({"w": torch.zeros(3)}, [], in_band=False)
+        print(len(pickled.views), pickled.views[0].nbytes, sorted(described))
+        try:
+            entries.pickle_with_refs(lambda: 1, [], in_band=True)
+        except (pickle.PicklingError, AttributeError) as e:
+            print("lambda:", type(e).__name__)
+        """
+    )
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("1 12 ")
+    assert lines[1] in ("lambda: PicklingError", "lambda: AttributeError")
+
+
+def test_a_filing_childs_records_go_to_fill_log(tmp_path: Path) -> None:
+    """A forked filing child writes its records to the runtime directory's fill.log, even though the library's
+    only handler is a NullHandler and the caller's own handlers point at the caller's streams."""
+    directory = tmp_path / "cache"
+    directory.mkdir(mode=0o700)
+    run_python(
+        """
+        import logging, sys
+        from zerocopy_pickle.cache import client
+        logging.getLogger("zerocopy_pickle").addHandler(logging.StreamHandler(sys.stdout))  # the caller's
+        client._detach_stdio()
+        logging.getLogger("zerocopy_pickle.cache.client").error("filing X failed: boom")
+        """,
+        env={"ZEROCOPY_PICKLE_CACHE_DIR": str(directory)},
+    )
+    text = (directory / "fill.log").read_text()
+    assert "ERROR zerocopy_pickle.cache.client: filing X failed: boom" in text

@@ -25,6 +25,7 @@ starts with "Internal:") and may change without notice.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -57,6 +58,10 @@ if TYPE_CHECKING:
     from .restricted import allow_function
     from .snapshot import BACKENDS, Snapshot, dump, dumps, freeze, load, loads, read_header, scan
     from .transfer import to_device
+
+# The library logs under "zerocopy_pickle" (docs/usage.md, "Logging") and leaves where records go to the
+# application: this handler only stops Python's last-resort handler from printing them when none is configured.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 # Imported on first use (PEP 562), so that importing a submodule that needs no torch (the model cache's server,
 # zerocopy_pickle.errors) does not import torch either.

@@ -58,8 +58,15 @@ _MAX_WRITE = 0x7FFFF000  # Linux transfers at most this much per write/writev ca
 SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
-def write_pieces(fd: int, pieces: Sequence[Piece]) -> int:
+PROGRESS_STEP = 16 << 20
+"""With a ``progress`` callback, the most bytes :func:`write_pieces` and :func:`write_pieces_to_file` hand the
+kernel per call (without one, a ``writev`` takes up to 2 GiB): a bar then moves in steps of this size."""
+
+
+def write_pieces(fd: int, pieces: Sequence[Piece], *, progress: Callable[[int], object] | None = None) -> int:
     """Write every piece, in order, to ``fd`` at its current position.
+
+    ``progress(n)``, if given, is told the bytes of each ``writev`` once it returned.
 
     Returns:
         The number of bytes written.
@@ -68,18 +75,24 @@ def write_pieces(fd: int, pieces: Sequence[Piece]) -> int:
         OSError: from the kernel (a full disk, a file size limit); what was written stays written.
     """
     views = [memoryview(p).cast("B") for p in pieces if len(p)]
+    limit = _MAX_WRITE
+    if progress is not None:  # calls of at most PROGRESS_STEP bytes: a bar that moves
+        limit = PROGRESS_STEP
+        views = [v[at : at + limit] for v in views for at in range(0, v.nbytes, limit)]
     total = 0
     i = 0
     while i < len(views):
         batch: list[memoryview] = []
         batch_bytes = 0
         j = i
-        while j < len(views) and len(batch) < _IOV_MAX and batch_bytes < _MAX_WRITE:
+        while j < len(views) and len(batch) < _IOV_MAX and batch_bytes < limit:
             batch.append(views[j])
             batch_bytes += views[j].nbytes
             j += 1
         written = os.writev(fd, batch)
         total += written
+        if progress is not None:
+            progress(written)
         # Advance past what was written; a partial write leaves the rest of a view for the next call.
         while written and i < len(views):
             n = views[i].nbytes
@@ -140,6 +153,7 @@ def write_placed(
     placed: Sequence[tuple[int, Piece]],
     *,
     observe: Callable[[int, memoryview], object] | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> None:
     """Write each ``(offset, piece)`` at its offset of ``fd`` (``pwrite``; the file position is not used).
 
@@ -148,7 +162,8 @@ def write_placed(
     ``pwritev`` (with the zero padding between them, when the gap is shorter than a page), and larger gaps are
     skipped: after :func:`preallocate` they read as zeros. ``observe(i, chunk)``, if given, sees every chunk of
     piece ``i`` (in order, an empty piece as one empty chunk) just before it is written, while it is still in
-    the CPU cache: a checksum computed there costs no second pass over memory.
+    the CPU cache: a checksum computed there costs no second pass over memory. ``progress(n)``, if given, is told
+    the bytes of each chunk as it joins the writes (padding not counted): one call per window at most.
 
     Raises:
         OSError: from the kernel (a full disk, a file size limit); what was written stays written.
@@ -184,6 +199,8 @@ def write_placed(
                 elif gap:
                     batch.append(_ZEROS[:gap])
                 batch.append(chunk)
+                if progress is not None:
+                    progress(chunk.nbytes)
                 end = position + chunk.nbytes
                 if end % WRITE_CHUNK == 0 or end - start >= WRITE_CHUNK:
                     _pwrite_all(fd, batch, start)
@@ -215,17 +232,22 @@ def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
                 written = 0
 
 
-def write_pieces_to_file(f: BinaryIO, pieces: Sequence[Piece]) -> int:
-    """Write every piece to a binary file object (any object with ``write``)."""
+def write_pieces_to_file(
+    f: BinaryIO, pieces: Sequence[Piece], *, progress: Callable[[int], object] | None = None
+) -> int:
+    """Write every piece to a binary file object (any object with ``write``); ``progress(n)``, if given, is told
+    the bytes of each ``write`` (of at most :data:`PROGRESS_STEP` bytes then)."""
     total = 0
     for piece in pieces:
         view = memoryview(piece).cast("B")
         while view.nbytes:
-            n = f.write(view)
+            n = f.write(view if progress is None else view[:PROGRESS_STEP])
             if n is None:  # non-blocking raw stream that could not take anything now
                 raise BlockingIOError(errno.EAGAIN, "the output stream is non-blocking and would block")
             total += n
             view = view[n:]
+            if progress is not None:
+                progress(n)
     return total
 
 

@@ -76,6 +76,9 @@ def _touch(tensors: Any) -> float:
 
 def run(size_mb: int = 256, repeat: int = 5, directory: str | None = None) -> int:
     """Run the demo and print its table. Returns a process exit status."""
+    from .console import quiet_third_party
+
+    quiet_third_party()
     with tempfile.TemporaryDirectory(dir=directory, prefix="zcp-demo-") as tmp:
         return _run(size_mb, repeat, tmp)
 
@@ -224,9 +227,13 @@ def build_controlnet_pipeline(
     paths = {"pipeline": str(root / "pipeline"), "edge": str(root / "controlnet-edge"),
              "depth": str(root / "controlnet-depth")}  # fmt: skip
     from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
 
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # `.to(dtype)` on a ControlNet warns about upcasting: irrelevant here
+    # The text encoder's save_pretrained draws a "Writing model shards" bar for its one shard: noise in the demo.
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
     try:
         pipe.to(dtype)
         pipe.save_pretrained(paths["pipeline"])
@@ -234,6 +241,8 @@ def build_controlnet_pipeline(
         depth.to(dtype).save_pretrained(paths["depth"])
     finally:
         diffusers_logging.set_verbosity(verbosity)
+        if bars:
+            transformers_logging.enable_progress_bar()
     paths["remote"] = build_remote_code_model(root / "remote-model", size=size, seed=seed)
     return paths
 

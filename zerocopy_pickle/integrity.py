@@ -22,7 +22,7 @@ import hashlib
 import hmac
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from . import arena
@@ -74,9 +74,11 @@ the process may run on two or more CPUs."""
 _HASH_SLICE = 8 << 20  # bytes per update in the hashing thread; it checks for a failed write between slices
 
 
-def write_checksummed(fd: int, placed: Sequence[tuple[int, Any]]) -> tuple[str, ...]:
-    """Write each ``(offset, buffer)`` at its offset of ``fd`` (:func:`arena.write_placed`) and return the
-    buffers' checksums (as :func:`checksum` gives them).
+def write_checksummed(
+    fd: int, placed: Sequence[tuple[int, Any]], *, progress: Callable[[int], object] | None = None
+) -> tuple[str, ...]:
+    """Write each ``(offset, buffer)`` at its offset of ``fd`` (:func:`arena.write_placed`, which tells
+    ``progress`` what it wrote) and return the buffers' checksums (as :func:`checksum` gives them).
 
     Where the process may run on two or more CPUs and the buffers hold at least
     :data:`PARALLEL_HASH_MIN_NBYTES`, a second thread hashes them while this one writes (xxhash releases the GIL),
@@ -89,7 +91,7 @@ def write_checksummed(fd: int, placed: Sequence[tuple[int, Any]]) -> tuple[str, 
     hashers = [xxhash.xxh3_64() for _ in placed]
     nbytes = sum(memoryview(b).nbytes for _, b in placed)
     if nbytes < PARALLEL_HASH_MIN_NBYTES or _usable_cpus() < 2:
-        arena.write_placed(fd, placed, observe=lambda i, chunk: hashers[i].update(chunk))
+        arena.write_placed(fd, placed, observe=lambda i, chunk: hashers[i].update(chunk), progress=progress)
         return tuple(h.hexdigest() for h in hashers)
 
     stop = threading.Event()
@@ -109,7 +111,7 @@ def write_checksummed(fd: int, placed: Sequence[tuple[int, Any]]) -> tuple[str, 
     worker = threading.Thread(target=hash_all, name="zerocopy_pickle-checksums", daemon=True)
     worker.start()
     try:
-        arena.write_placed(fd, placed)
+        arena.write_placed(fd, placed, progress=progress)
     except BaseException:
         stop.set()
         raise

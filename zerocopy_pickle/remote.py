@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import integrity, sources
+from . import integrity, progress, sources
 from .errors import ArgumentError, IntegrityError, SnapshotError, ZeroCopyPickleError
 from .native import cache_dir
 
@@ -45,6 +46,7 @@ WINDOW = 8 << 20
 """Bytes per ranged read of a download (and the granularity a resumed download restarts at)."""
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*(::|://)")
+log = logging.getLogger(__name__)
 
 
 def is_url(target: object) -> bool:
@@ -136,10 +138,12 @@ def fetch(url: str, storage_options: Mapping[str, Any] | None = None) -> Path:
     part, part_meta = directory / f"{name}.part", directory / f"{name}.part.json"
     with _locked(directory / f"{name}.lock"):
         if _read_json(meta) == identity and final.is_file() and final.stat().st_size == identity["size"]:
+            log.info("fetch %s: unchanged, using the local copy %s", url, final)
             return final
         if _read_json(part_meta) != identity or not identity["version"]:
             part.unlink(missing_ok=True)  # another object (or one that cannot say whether it changed): start over
             _write_json(part_meta, identity)
+        log.info("fetch %s: downloading %d bytes into %s", url, identity["size"], final)
         _download(lambda start, stop: fs.cat_file(path, start=start, end=stop), part, identity["size"], url)
         try:
             _verify(part, url)
@@ -165,24 +169,27 @@ def _download(read: Callable[[int, int], bytes], part: Path, size: int, url: str
             done = 0
         done -= done % WINDOW  # resume at a window boundary
         os.ftruncate(fd, done)
-        while done < size:
-            stop = min(done + WINDOW, size)
-            try:
-                data = read(done, stop)
-            except (OSError, ZeroCopyPickleError):
-                raise
-            except Exception as e:  # the protocol's own errors (aiohttp's, botocore's): the transfer broke
-                raise OSError(f"{url}: the download stopped at byte {done} of {size} ({type(e).__name__}: {e}); "
-                              f"the next load resumes it") from e  # fmt: skip
-            if len(data) != stop - done:
-                raise SnapshotError(
-                    f"{url}: asked for bytes {done}-{stop} of {size}, got {len(data)}: the object changed or the "
-                    f"server ignores ranges"
-                )
-            view = memoryview(data)
-            while view:
-                view = view[os.pwrite(fd, view, done + (stop - done) - len(view)) :]
-            done = stop
+        with progress.bar(size - done, f"fetch {url:.60}") as report:  # what is left: a resumed download's rest
+            while done < size:
+                stop = min(done + WINDOW, size)
+                try:
+                    data = read(done, stop)
+                except (OSError, ZeroCopyPickleError):
+                    raise
+                except Exception as e:  # the protocol's own errors (aiohttp's, botocore's): the transfer broke
+                    raise OSError(f"{url}: the download stopped at byte {done} of {size} ({type(e).__name__}: {e}); "
+                                  f"the next load resumes it") from e  # fmt: skip
+                if len(data) != stop - done:
+                    raise SnapshotError(
+                        f"{url}: asked for bytes {done}-{stop} of {size}, got {len(data)}: the object changed or "
+                        f"the server ignores ranges"
+                    )
+                view = memoryview(data)
+                while view:
+                    view = view[os.pwrite(fd, view, done + (stop - done) - len(view)) :]
+                if report is not None:
+                    report(stop - done)
+                done = stop
     finally:
         os.close(fd)
 
@@ -222,4 +229,5 @@ def upload(url: str, write: Callable[[Path], None], storage_options: Mapping[str
     with tempfile.TemporaryDirectory(prefix="zcp-upload-") as scratch:
         local = Path(scratch) / "snapshot.zcp"
         write(local)
+        log.info("upload %s: %d bytes", url, local.stat().st_size)
         fs.put_file(str(local), path)

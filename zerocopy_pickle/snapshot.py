@@ -17,16 +17,19 @@ from __future__ import annotations
 import functools
 import importlib.util
 import io
+import logging
 import mmap
 import os
 import pickle
 import platform
+import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import IO, Any, Union
 
 import torch
 
-from . import arena, format, integrity, loadcore, remote, sources
+from . import arena, format, integrity, loadcore, progress, remote, sources
 from ._version import __version__
 from .device import MapLocation
 from .errors import ArgumentError, DumpError, SnapshotError, Unpicklable, ZeroCopyPickleError
@@ -38,6 +41,16 @@ from .restricted import AllowSpec, scan_stream
 __all__ = ["BACKENDS", "Snapshot", "dump", "dumps", "freeze", "load", "loads", "read_header", "scan"]
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+log = logging.getLogger(__name__)
+
+
+def _name(f: object) -> str:
+    """How a log record names a dump's target or a load's source."""
+    if isinstance(f, (str, os.PathLike)):
+        return os.fsdecode(f)
+    name = getattr(f, "name", None)
+    return repr(name) if isinstance(name, (str, int)) else f"a {type(f).__name__}"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -183,21 +196,27 @@ class _Prepared:
         )
         self.pieces = pieces
 
-    def write_file(self, fd: int) -> None:
+    def write_file(self, fd: int, desc: str) -> None:
         """Write the snapshot into an empty regular file (made with ``for_file=True``): its final size first,
         then the buffers, checksummed on the way (one pass over their memory), then the header that records
-        those checksums, and the stream. Gaps are left to read as zeros."""
+        those checksums, and the stream. Gaps are left to read as zeros. A progress bar (``desc``) counts every
+        byte but the gaps', where :func:`progress.bar` shows one."""
         layout = self.layout
         arena.preallocate(fd, layout.total_nbytes)
         offsets = [layout.data_offset + offset for offset in layout.buffer_offsets]
         placed = list(zip(offsets, self.views, strict=True))
-        if not self._pending:  # no checksums to record
-            arena.write_placed(fd, placed)
-        else:
-            layout = self._encode(integrity.write_checksummed(fd, placed))
-            if (layout.data_offset, layout.buffer_offsets) != (self.layout.data_offset, self.layout.buffer_offsets):
-                raise AssertionError("the header changed length once its checksums were filled in")
-        arena.write_placed(fd, [(0, layout.prefix), (layout.stream_offset, self.body)])
+        nbytes = len(layout.prefix) + self.body.nbytes + sum(view.nbytes for view in self.views)
+        with progress.bar(nbytes, desc) as report:
+            if not self._pending:  # no checksums to record
+                arena.write_placed(fd, placed, progress=report)
+            else:
+                layout = self._encode(integrity.write_checksummed(fd, placed, progress=report))
+                if (layout.data_offset, layout.buffer_offsets) != (
+                    self.layout.data_offset,
+                    self.layout.buffer_offsets,
+                ):
+                    raise AssertionError("the header changed length once its checksums were filled in")
+            arena.write_placed(fd, [(0, layout.prefix), (layout.stream_offset, self.body)], progress=report)
 
 
 def _note_path(obj: object, backend: str, error: BaseException, registry: Registry | None) -> None:
@@ -310,31 +329,51 @@ def dump(
         registry: the reducers (and plugins) to apply; default: the process's, ``default_registry()``.
         storage_options: for a URL, the fsspec filesystem's options (credentials, ``endpoint_url``...).
 
+    On a terminal, a dump of 256 MiB or more shows a progress bar on stderr (docs/usage.md, "Progress bars":
+    ``ZEROCOPY_PICKLE_PROGRESS=0`` turns it off); never when stderr is not a terminal.
+
     Raises:
         DumpError: part of the graph cannot be pickled; nothing was written. Its message and ``path`` name
             the object that fails and where it sits (``obj.encoder.layers[3]._forward_hooks[7]``).
-        ArgumentError: an unknown backend, or one whose package is not installed.
+        ArgumentError: an unknown backend, or one whose package is not installed; a malformed
+            ``ZEROCOPY_PICKLE_PROGRESS`` or ``ZEROCOPY_PICKLE_PROGRESS_MIN``.
         OSError: writing failed (a full disk, say); a path keeps its previous contents.
+
+    Examples:
+        >>> import torch, zerocopy_pickle as zp
+        >>> zp.dump({"weight": torch.ones(2, 3), "step": 10}, "weights.zcp")
+        >>> zp.load("weights.zcp")["weight"].shape
+        torch.Size([2, 3])
+
+        Signed, for loads that should trust it (``load(..., key=key)``):
+
+        >>> zp.dump(torch.nn.Linear(4, 2), "signed.zcp", key=b"secret")
     """
     if remote.is_url(f):
         url = str(f)
-        remote.upload(
-            url,
-            lambda path: dump(obj, path, backend=backend, checksums=checksums, key=key, registry=registry),
-            storage_options,
-        )
+
+        def write(path: Path) -> None:
+            prepared = _Prepared(obj, backend, checksums, key, registry, for_file=True)
+            with arena.atomic_output(path) as fd:
+                prepared.write_file(fd, f"dump {url:.60}")
+
+        remote.upload(url, write, storage_options)
         return
     if isinstance(f, str) and f.startswith("file://"):
         f = f.removeprefix("file://")
+    start = time.perf_counter()
     if isinstance(f, (str, os.PathLike)):
         prepared = _Prepared(obj, backend, checksums, key, registry, for_file=True)
         with arena.atomic_output(f, fsync=fsync) as fd:
-            prepared.write_file(fd)
+            prepared.write_file(fd, f"dump {os.path.basename(os.fsdecode(f))}")
     elif hasattr(f, "write"):
-        pieces = _Prepared(obj, backend, checksums, key, registry).pieces
-        arena.write_pieces_to_file(f, pieces)  # type: ignore[arg-type]
+        prepared = _Prepared(obj, backend, checksums, key, registry)
+        with progress.bar(prepared.layout.total_nbytes, "dump") as report:
+            arena.write_pieces_to_file(f, prepared.pieces, progress=report)  # type: ignore[arg-type]
     else:
         raise ArgumentError(f"dump() needs a path or a binary file object, not {type(f).__name__}")
+    log.info("dumped %s: %d bytes, %d buffers, %.3f s", _name(f), prepared.layout.total_nbytes, len(prepared.views),
+             time.perf_counter() - start)  # fmt: skip
 
 
 def dumps(
@@ -352,6 +391,12 @@ def dumps(
 
     Raises:
         DumpError: part of the graph cannot be pickled (see :func:`dump`).
+
+    Examples:
+        >>> import torch, zerocopy_pickle as zp
+        >>> data = zp.dumps([torch.arange(3), "text"])
+        >>> zp.loads(data)
+        [tensor([0, 1, 2]), 'text']
     """
     return b"".join(_Prepared(obj, backend, checksums, key, registry).pieces)
 
@@ -382,12 +427,24 @@ def freeze(
 
     Raises:
         DumpError: part of the graph cannot be pickled.
+
+    Examples:
+        >>> import torch, zerocopy_pickle as zp
+        >>> snap = zp.freeze(torch.nn.Linear(4, 2))
+        >>> a, b = snap.load(), snap.load()  # two independent modules over the same physical pages
+        >>> torch.equal(a.weight, b.weight), a is b
+        (True, False)
+        >>> snap.close()  # a and b stay valid
     """
+    start = time.perf_counter()
     prepared = _Prepared(obj, backend, checksums, key, registry)
     fd = arena.create_memfd(name)
     try:
-        arena.write_pieces(fd, prepared.pieces)
+        with progress.bar(prepared.layout.total_nbytes, f"freeze {name}") as report:
+            arena.write_pieces(fd, prepared.pieces, progress=report)
         arena.seal(fd)
+        log.debug("froze %d bytes, %d buffers into memfd %r, %.3f s", prepared.layout.total_nbytes,
+                  len(prepared.views), name, time.perf_counter() - start)  # fmt: skip
         return Snapshot._adopt(fd, trusted=True)
     except BaseException:
         os.close(fd)
@@ -410,6 +467,8 @@ def _load_view(
     stable: bool = False,
     registry: Registry | None = None,
     header: format.Header | None = None,
+    source: str = "a buffer",
+    level: int = logging.DEBUG,
 ) -> Any:
     """Unpickle the snapshot that fills ``view`` (writable, aligned); storages become views into it.
 
@@ -422,8 +481,10 @@ def _load_view(
     copies (``bytes``). ``stable`` says that nobody can change the bytes behind ``view`` (private memory, a
     sealed memfd); otherwise ``verify`` copies every buffer into private memory as it checks it, and the
     storages are views into that copy. ``header``: the header already decoded from ``view`` (by
-    :func:`~zerocopy_pickle.sources.open_source`), else it is decoded here.
+    :func:`~zerocopy_pickle.sources.open_source`), else it is decoded here. ``source`` and ``level``: how the
+    log record of the load names the snapshot, and at which level it is logged.
     """
+    start = time.perf_counter()
     if header is None:
         header = sources.read_header(sources.at_view(view), view.nbytes)
     stream = bytes(view[header.stream_offset : header.stream_offset + header.stream_nbytes])
@@ -441,7 +502,7 @@ def _load_view(
             integrity.verify_buffers(header, buffers)
         return buffers
 
-    return loadcore.load_stream(
+    result = loadcore.load_stream(
         stream,
         checked_buffers,
         declared=len(header.buffers),
@@ -454,6 +515,10 @@ def _load_view(
         where=f"the pickle stream (offset {header.stream_offset})",
         registry=registry,
     )
+    log.log(level, "loaded %s: %d bytes, %d buffers, %s%s, %.3f s", source, header.total_nbytes,
+            len(header.buffers), "trusted" if trusted else "restricted", ", verified" if verify else "",
+            time.perf_counter() - start)  # fmt: skip
+    return result
 
 
 def load(
@@ -513,6 +578,20 @@ def load(
             such global and the ``allow=`` that would accept them.
         DeviceError: a storage's target device does not exist here (nothing was built).
         FileNotFoundError: nothing at the URL.
+
+    Examples:
+        >>> import torch, zerocopy_pickle as zp
+        >>> zp.dump({"step": 3, "weight": torch.zeros(4)}, "state.zcp")
+        >>> state = zp.load("state.zcp")  # restricted (the default): tensors, containers, primitives
+        >>> state["step"], state["weight"].shape
+        (3, torch.Size([4]))
+        >>> state = zp.load("state.zcp", verify=True)  # every buffer checked against its checksum too
+
+        Onto a GPU, in one bulk transfer (``map_location`` as for ``torch.load``):
+
+        >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+        >>> zp.load("state.zcp", map_location=device)["weight"].device.type == device
+        True
     """
     if remote.is_url(f):
         f = remote.fetch(str(f), storage_options)
@@ -529,6 +608,8 @@ def load(
         stable=opened.stable,
         registry=registry,
         header=opened.header,
+        source=_name(f),
+        level=logging.INFO,
     )
 
 
@@ -564,6 +645,11 @@ def loads(
     Raises:
         SnapshotError, RestrictedLoadError, DeviceError: as for :func:`load`.
         ArgumentError: ``data`` is not a contiguous buffer, or ``copy=False`` with read-only data.
+
+    Examples:
+        >>> import torch, zerocopy_pickle as zp
+        >>> zp.loads(zp.dumps({"bias": torch.zeros(2)}))
+        {'bias': tensor([0., 0.])}
     """
     opened = sources.open_source(data, sources.LOADS, what="loads", copy=copy)
     return _load_view(
@@ -587,6 +673,13 @@ def read_header(f: PathLike | IO[bytes] | bytes | bytearray | memoryview) -> for
 
     Raises:
         SnapshotError: the snapshot is malformed.
+
+    Examples:
+        >>> import torch, zerocopy_pickle as zp
+        >>> zp.dump({"w": torch.ones(2)}, "w.zcp", key=b"secret")
+        >>> header = zp.read_header("w.zcp")
+        >>> header.version, len(header.buffers), header.buffers[0].dtype, bool(header.signature)
+        (2, 1, 'float32', True)
     """
     return sources.open_source(f, sources.INSPECT, what="read_header").header
 
@@ -603,6 +696,12 @@ def scan(f: PathLike | IO[bytes] | bytes | bytearray | memoryview) -> tuple[tupl
 
     Raises:
         SnapshotError: the snapshot is malformed.
+
+    Examples:
+        >>> import torch, zerocopy_pickle as zp
+        >>> zp.dump(torch.nn.Linear(2, 2), "linear.zcp")
+        >>> ("torch.nn.modules.linear", "Linear") in zp.scan("linear.zcp")
+        True
     """
     view, _, header = sources.open_source(f, sources.INSPECT, what="scan")
     return scan_stream(view[header.stream_offset : header.stream_offset + header.stream_nbytes])
@@ -637,6 +736,15 @@ class Snapshot:
     :meth:`close` releases the fd only: objects already loaded keep their mappings and stay valid.
 
     Use :func:`freeze`, :meth:`open` or :meth:`from_fd` to create one.
+
+    Examples:
+        >>> import torch, zerocopy_pickle as zp
+        >>> with zp.freeze({"w": torch.ones(2)}) as snap:
+        ...     snap.sealed, snap.load()["w"]
+        (True, tensor([1., 1.]))
+
+        Any number of processes can load the same memfd: send ``snap.fd`` (over a Unix socket, or inherited)
+        and rebuild it there with ``zp.Snapshot.from_fd(fd)``.
     """
 
     __slots__ = ("_fd", "_trusted", "header", "nbytes")
@@ -793,6 +901,7 @@ class Snapshot:
             stable=opened.stable,
             registry=registry,
             header=opened.header,
+            source=f"snapshot fd {fd}",
         )
 
     def close(self) -> None:

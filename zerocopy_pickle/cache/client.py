@@ -60,7 +60,7 @@ FILL_WAIT = 60.0
 HIT_TIMEOUT = 30.0
 """Seconds a client that fills its own misses waits for the server's answer (it never waits for a load)."""
 
-log = logging.getLogger("zerocopy_pickle.cache")
+log = logging.getLogger(__name__)
 MAX_FINGERPRINT_FILES = 100_000
 
 
@@ -108,7 +108,7 @@ class _ArgumentPickler(entries.RefPickler):
     """Pickles a call's arguments, replacing every cached object it meets by a reference (in meeting order)."""
 
     def __init__(self, file: Any) -> None:
-        super().__init__(file, [], by_value=True)
+        super().__init__(file, [], by_value=entries.by_value())
         self.ref_objects: list[Any] = []
         self.ref_keys: list[str] = []
 
@@ -550,7 +550,7 @@ class _Filer:
                 code = 0
             except BaseException:
                 with contextlib.suppress(BaseException):
-                    log.exception("zerocopy_pickle cache: filing %s failed", put.request.describe or "a call")
+                    log.exception("filing %s failed", put.request.describe or "a call")
             finally:
                 os._exit(code)
         try:
@@ -565,9 +565,9 @@ class _Filer:
                 _wait_eof(previous, FILL_WAIT)
             _send_put(put, payload, fds)
         except CacheError as e:
-            log.warning("zerocopy_pickle cache: %s was not cached (%s)", put.request.describe or "a call", e)
+            log.warning("%s was not cached (%s)", put.request.describe or "a call", e)
         except Exception:
-            log.exception("zerocopy_pickle cache: filing %s failed", put.request.describe or "a call")
+            log.exception("filing %s failed", put.request.describe or "a call")
         finally:
             for fd in (*fds, *((previous,) if previous is not None else ())):
                 with contextlib.suppress(OSError):
@@ -606,6 +606,16 @@ def _detach_stdio() -> None:
     except (OSError, CacheError):
         err = null
     os.dup2(err, 2)
+    # The child's records are fill.log's content: the library's NullHandler would drop them (and the caller's
+    # own handlers, inherited through the fork, write to the caller's streams), so the child logs to its own
+    # stderr alone.
+    root = logging.getLogger("zerocopy_pickle")
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.propagate = False
 
 
 def _reap(pid: int) -> None:
@@ -739,9 +749,11 @@ def cached_call(
             _warn_once(f"error:{type(e).__name__}", str(e))
             return original(*args, **kwargs)
         if isinstance(result, Miss):  # load it here, as without the cache; the server gets it afterwards
+            log.info("cache miss: %s (loading it here, then filing it)", request["get"].describe)
             value = original(*args, **request["kwargs"])
             _file(request, value, args, kwargs, files=result.files)
             return value
+        log.info("cache hit: %s", request["get"].describe)
         register_result(result, request["key"])
         return result
     finally:

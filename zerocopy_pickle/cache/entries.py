@@ -13,6 +13,8 @@ through the load core (:mod:`zerocopy_pickle.loadcore`), trusted, which runs tho
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import io
 import mmap
 import os
@@ -23,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import arena
+from .. import arena, progress
 from ..format import BufferSpec, PluginRef, padded_pieces, place_buffers
 from ..integrity import checksum
 from ..loadcore import argument, load_stream
@@ -50,6 +52,15 @@ def argument_slots(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
     the client and the loader both compute. Immutable primitives are left out: identity means nothing there."""
     values = [*args, *(kwargs[k] for k in sorted(kwargs))]
     return [v for v in values if not isinstance(v, (str, bytes, int, float, complex, bool, type(None)))]
+
+
+@functools.cache
+def by_value() -> bool:
+    """Whether cache streams pickle functions and classes plain pickle cannot take (lambdas, local and
+    ``__main__`` definitions) by value: when cloudpickle is installed (the ``cache`` extra brings it). Without
+    it a graph holding one cannot be cached and its call runs uncached, as for anything else that does not
+    pickle; the cache must never make a call fail for want of an optional dependency."""
+    return importlib.util.find_spec("cloudpickle") is not None
 
 
 class RefPickler(ZeroCopyPickler):
@@ -138,7 +149,7 @@ def pickle_with_refs(obj: Any, refs: Sequence[object], *, in_band: bool) -> Pick
             views.append(buffer.raw())
             return False
 
-    pickler = RefPickler(out, refs, buffer_callback=callback, by_value=True)
+    pickler = RefPickler(out, refs, buffer_callback=callback, by_value=by_value())
     pickler.dump(obj)
     pickler.clear_memo()
     return Pickled(out.getvalue(), views, pickler.buffer_specs, plugin_list(pickler.plugins_used))
@@ -207,7 +218,10 @@ def build_segment(
         return rows, None
     fd = arena.create_memfd("zerocopy_pickle-cache")
     try:
-        arena.write_pieces(fd, padded_pieces(new_views, offsets))
+        # A bar only where this runs with a terminal on stderr: a caller that files in its own thread, or a
+        # server started in one (a forked filing child writes its stderr to fill.log).
+        with progress.bar(end, "cache fill") as report:
+            arena.write_pieces(fd, padded_pieces(new_views, offsets), progress=report)
         arena.seal(fd)
     except BaseException:
         os.close(fd)

@@ -135,11 +135,20 @@ def private_server(*args: str) -> Iterator[dict[str, str]]:
         log.close()
 
 
-def _one_run(env: dict[str, str], mode: str, variant: str, paths: dict[str, str], dtype: str) -> dict[str, Any]:
-    proc = subprocess.run(
+def _run_process(
+    env: dict[str, str], mode: str, variant: str, paths: dict[str, str], dtype: str
+) -> subprocess.CompletedProcess[str]:
+    """One run in a fresh process; its stdout ends with the result line."""
+    # TQDM_DISABLE: no progress bars from diffusers' and transformers' loads in the run's stderr, which is shown
+    # only if the run fails. tqdm reads it when imported, before the run could set it itself (torch imports it).
+    return subprocess.run(
         [sys.executable, "-m", "zerocopy_pickle.cache.scenario", mode, variant, json.dumps(paths), dtype],
-        env=env, capture_output=True, text=True, check=False, timeout=3600,
+        env={**env, "TQDM_DISABLE": "1"}, capture_output=True, text=True, check=False, timeout=3600,
     )  # fmt: skip
+
+
+def _one_run(env: dict[str, str], mode: str, variant: str, paths: dict[str, str], dtype: str) -> dict[str, Any]:
+    proc = _run_process(env, mode, variant, paths, dtype)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"a scenario run failed:\n{proc.stderr[-3000:]}")
@@ -246,7 +255,10 @@ def print_table(results: dict[str, list[dict[str, Any]]]) -> None:
 
 def run_demo(size: str = "tiny", runs: int = 3, directory: str | None = None) -> int:
     """``zerocopy-pickle demo``: build the pipeline, run the scenario plain and cached, print the tables."""
+    from ..console import quiet_third_party
     from ..demo import build_controlnet_pipeline
+
+    quiet_third_party()  # the build imports diffusers and transformers here; the runs below do in their children
 
     with tempfile.TemporaryDirectory(dir=directory, prefix="zcp-demo-models-") as tmp:
         print(f"building a {size} StableDiffusionControlNetPipeline and two ControlNets in {tmp} ...", flush=True)
@@ -265,6 +277,13 @@ def run_demo(size: str = "tiny", runs: int = 3, directory: str | None = None) ->
 if __name__ == "__main__":
     import warnings
 
-    warnings.simplefilter("ignore")
+    from ..console import quiet_third_party
+
+    # The parent reads this process's stdout for the result line and shows its stderr only if the run fails:
+    # keep that stderr to what can explain a failure (and _one_run turns the progress bars off).
+    quiet_third_party()
+    # The steps call from_pretrained(..., torch_dtype=...) as the seed code does (and benchmarks/overmind_runner.py,
+    # which must run the same calls on older diffusers), where current diffusers ask for dtype=.
+    warnings.filterwarnings("ignore", message=r"`torch_dtype` is deprecated", category=FutureWarning)
     mode, variant, paths_json, dtype_name = sys.argv[1:5]
     print(json.dumps(_run_steps(mode, variant, json.loads(paths_json), dtype_name)))

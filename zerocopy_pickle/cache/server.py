@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import signal
 import socket
@@ -53,6 +54,8 @@ from .protocol import MAX_FDS, REQUEST, CacheError, ProtocolError, peer_credenti
 from .store import Entry, Store
 
 __all__ = ["Server", "serve"]
+
+log = logging.getLogger(__name__)
 
 LOADER_TIMEOUT = 3600.0
 
@@ -424,9 +427,11 @@ def serve(
     server = Server(path, max_bytes=max_bytes, persist=persist, file_segments=not copy_files, workdir=workdir)
     server.bind()
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    # Log records, not prints: `zerocopy-pickle serve` and `python -m zerocopy_pickle.cache serve` send them to
+    # stderr (zerocopy_pickle.console); a program that serves in-process decides where they go.
     if not quiet:
-        print(f"zerocopy_pickle cache serving on {server.path} (pid {os.getpid()})", flush=True)
+        log.info("cache serving on %s (pid %d)", server.path, os.getpid())
     started = time.monotonic()
     server.serve_forever()
     if not quiet:
-        print(f"zerocopy_pickle cache stopped after {time.monotonic() - started:.0f} s", flush=True)
+        log.info("cache stopped after %.0f s", time.monotonic() - started)

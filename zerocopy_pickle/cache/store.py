@@ -60,7 +60,7 @@ KEY_FILE = "persist.key"
 """The persistence key's name in the runtime directory: 32 random bytes, mode 0600, one per user."""
 _KEY_BYTES = 32
 
-log = logging.getLogger("zerocopy_pickle.cache")
+log = logging.getLogger(__name__)
 
 
 class _ColdStart(Exception):
@@ -337,7 +337,7 @@ class Store:
                 segment.path = name
             except OSError as e:  # the entry is served, just not persisted; the index on disk stays valid
                 segment.sha256 = None
-                log.warning("zerocopy_pickle cache: could not persist segment %d (%s)", segment.id, e)
+                log.warning("could not persist segment %d (%s)", segment.id, e)
         self.segments[segment.id] = segment
         return segment
 
@@ -517,7 +517,7 @@ class Store:
         try:
             _write_file(self._dir_fd, _INDEX, lambda out: arena.write_pieces(out, [blob]))
         except OSError as e:
-            log.warning("zerocopy_pickle cache: could not write the persistence index (%s); the previous one stays", e)
+            log.warning("could not write the persistence index (%s); the previous one stays", e)
 
     def _load_persisted(self, *, key_is_new: bool) -> None:
         """Start warm from the persistence directory, or cold (saying why) if anything in it is not exactly what
@@ -566,7 +566,7 @@ class Store:
                         self.segments[segment_id].users += 1
                 self._collect_unused()
                 if len(kept) < len(listed):
-                    log.warning("zerocopy_pickle cache: %d persisted entries dropped (a segment missing or changed)",
+                    log.warning("%d persisted entries dropped (a segment missing or changed)",
                                 len(listed) - len(kept))  # fmt: skip
                     self._save_index()
             except (OSError, ValueError, KeyError, TypeError, AttributeError, CacheError) as e:
@@ -611,7 +611,7 @@ class Store:
         return Segment(row["id"], memfd, nbytes, path=name, sha256=expected)
 
     def _drop_persisted(self, name: str, why: str) -> None:
-        log.warning("zerocopy_pickle cache: persisted segment %s %s: the entries using it are dropped", name, why)
+        log.warning("persisted segment %s %s: the entries using it are dropped", name, why)
         with contextlib.suppress(OSError):
             os.unlink(name, dir_fd=self._dir_fd)
 
@@ -619,7 +619,7 @@ class Store:
         self._forget_all()
         self._next_segment = 1
         self.cold_start = reason
-        log.warning("zerocopy_pickle cache: starting cold, not from %s: %s", self.persist, reason)
+        log.warning("starting cold, not from %s: %s", self.persist, reason)
 
 
 def persistence_key(directory: Path | None = None) -> tuple[bytes, bool]:
