@@ -1,21 +1,30 @@
-"""The zerocopy-pickle command line: inspect, convert, demo."""
+"""The zerocopy-pickle command line: every command, its output and --json, its exit codes, its logging options,
+and the native command over zerocopy_pickle.native.status()."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 import zerocopy_pickle as zp
+from zerocopy_pickle import cli, native
+from zerocopy_pickle.cache.protocol import DIR_ENV
 from zerocopy_pickle.cli import main
+from zerocopy_pickle.restricted import format_global
 
-from .conftest import REPO
+from .cache_helpers import private_dir, running_server
+from .conftest import REPO, run_python
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -23,6 +32,19 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     script = shutil.which("zerocopy-pickle", path=os.path.dirname(sys.executable))
     assert script is not None, "the zerocopy-pickle console script is not installed"
     return subprocess.run([script, *args], capture_output=True, text=True, timeout=600, cwd=REPO)
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging_and_environment() -> Iterator[None]:
+    """main() configures the zerocopy_pickle logger and sets variables for child processes, as a command line
+    does; undo both so that other tests see the library's defaults."""
+    logger = logging.getLogger("zerocopy_pickle")
+    level, handlers, environ = logger.level, list(logger.handlers), dict(os.environ)
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+    for key in set(os.environ) - set(environ):
+        del os.environ[key]
 
 
 @pytest.fixture
@@ -100,7 +122,9 @@ def test_convert_untrusted_torch_file_needs_trusted(tmp_path: Path, capsys: pyte
     src, dst = tmp_path / "c.pt", tmp_path / "c.zcp"
     torch.save({"obj": Custom()}, src)
     assert main(["convert", str(src), str(dst)]) == 1
-    assert "--trusted" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line, not torch's page of advice
+    assert f"GLOBAL {__name__}.Custom was not an allowed global" in err and "--trusted" in err
     assert not dst.exists()
     assert main(["convert", "--trusted", str(src), str(dst)]) == 0
     assert zp.load(dst, allow=[Custom])["obj"].t.sum() == 2
@@ -126,8 +150,452 @@ def test_snapshot_demo_runs_small() -> None:
     assert "outputs identical" in out
 
 
-def test_help_lists_commands() -> None:
+COMMANDS = ("inspect", "scan", "convert", "native", "serve", "status", "stop", "clear", "demo")
+
+
+def test_help_lists_commands_exit_codes_and_environment() -> None:
     proc = run_cli("--help")
     assert proc.returncode == 0
-    for command in ("inspect", "convert", "demo"):
-        assert command in proc.stdout
+    for command in COMMANDS:
+        assert f"\n    {command} " in proc.stdout
+    assert "examples:\n  zerocopy-pickle " in proc.stdout
+    table = proc.stdout.split("exit codes:\n", 1)[1].split("\n\n", 1)[0]
+    codes = [int(line.split()[0]) for line in table.splitlines()]
+    assert codes == [
+        cli.EXIT_OK,
+        cli.EXIT_ERROR,
+        cli.EXIT_USAGE,
+        cli.EXIT_REFUSED,
+        cli.EXIT_INTEGRITY,
+        cli.EXIT_NO_SERVER,
+        cli.EXIT_INTERRUPTED,
+    ]
+    assert codes == [0, 1, 2, 3, 4, 5, 130]  # what scripts rely on: changing one breaks them
+    for variable in (native.ENV, native.CACHE_ENV, DIR_ENV):
+        assert variable in proc.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_a_description_and_examples(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    usage, description = out.split("\n\n")[:2]
+    assert usage.startswith(f"usage: zerocopy-pickle {command} ")
+    assert len(description) > 40  # says what the command does, not just its name
+    examples = out.split("\nexamples:\n", 1)[1]
+    assert f"  zerocopy-pickle {command}" in examples
+    assert "-v, --verbose" in out and "-q, --quiet" in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"zerocopy-pickle {zp.__version__}\n"
+
+
+@pytest.mark.parametrize(
+    "argv", [[], ["inspect"], ["inspect", "a", "b"], ["frobnicate"], ["scan", "--nope", "f"], ["-v", "-q", "native"]]
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == cli.EXIT_USAGE == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: zerocopy-pickle") and "error: " in err
+
+
+# --- exit codes and how errors are reported -------------------------------------------------------------------
+
+
+def test_errors_are_one_line_on_stderr_and_json_on_stdout_with_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing.zcp"
+    for command in ("inspect", "scan"):
+        assert main([command, str(missing)]) == cli.EXIT_ERROR == 1
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert captured.err.startswith(f"zerocopy-pickle {command}: error: ") and captured.err.count("\n") == 1
+        assert "No such file" in captured.err and "Traceback" not in captured.err
+        assert main([command, "--json", str(missing)]) == 1
+        captured = capsys.readouterr()
+        report = json.loads(captured.out)
+        assert set(report) == {"error", "exit_code"} and report["exit_code"] == 1
+        assert report["error"] in captured.err
+
+
+def test_interrupted_exits_130(
+    snapshot: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_inspect", interrupted)
+    assert main(["inspect", str(snapshot)]) == cli.EXIT_INTERRUPTED == 130
+    assert capsys.readouterr().err == "zerocopy-pickle inspect: interrupted\n"
+
+
+def test_a_closed_stdout_ends_quietly(snapshot: Path) -> None:
+    """`zerocopy-pickle inspect F | head -1`: the reader leaves before the output is written."""
+    script = shutil.which("zerocopy-pickle", path=os.path.dirname(sys.executable))
+    assert script is not None
+    proc = subprocess.Popen(
+        [script, "inspect", str(snapshot)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the child, still importing, writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=600) == cli.EXIT_ERROR
+    assert err == ""  # no "Broken pipe" error line, no traceback at exit
+
+
+def damaged(snapshot: Path, tmp_path: Path, region: str) -> Path:
+    """A copy of ``snapshot`` with one byte flipped in its stream or its first buffer."""
+    header = zp.read_header(snapshot)
+    data = bytearray(snapshot.read_bytes())
+    at = header.stream_offset + header.stream_nbytes - 2 if region == "stream" else header.data_offset
+    data[at] ^= 0x01
+    path = tmp_path / f"damaged-{region}.zcp"
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_integrity_failures_exit_4(snapshot: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stream, buffer = damaged(snapshot, tmp_path, "stream"), damaged(snapshot, tmp_path, "buffer")
+    # scan checks the stream as a load does; inspect reads the header only unless --verify
+    assert main(["scan", str(stream)]) == cli.EXIT_INTEGRITY == 4
+    assert "does not match its checksum" in capsys.readouterr().err
+    assert main(["scan", str(buffer)]) == 3  # the stream is intact; it names a class (Linear) no load allows
+    assert main(["inspect", str(buffer)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", "--verify", str(buffer)]) == 4
+    assert "buffer 0 at " in capsys.readouterr().err
+    assert main(["inspect", "--verify", "--json", str(stream)]) == 4
+    assert json.loads(capsys.readouterr().out)["exit_code"] == 4
+    with pytest.raises(zp.IntegrityError):  # what a load says of the same file
+        zp.load(buffer, verify=True, allow=[torch.nn.Linear])
+
+
+def test_inspect_verify_passes_on_an_intact_snapshot(snapshot: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--verify", str(snapshot)]) == 0
+    assert "(verified: all match)" in capsys.readouterr().out
+    assert main(["inspect", "--verify", "--json", str(snapshot)]) == 0
+    assert json.loads(capsys.readouterr().out)["verified"] is True
+
+
+# --- scan ---------------------------------------------------------------------------------------------------------
+
+
+def test_scan_says_what_a_restricted_load_refuses(snapshot: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["scan", str(snapshot)]) == cli.EXIT_REFUSED == 3
+    out = capsys.readouterr().out
+    assert "  refused  torch.nn.modules.linear:Linear\n" in out
+    assert "  allowed  zerocopy_pickle.rebuild:rebuild_storage\n" in out
+    assert "restricted load: refused: " in out and "allow=['torch.nn.modules.linear:Linear']" in out
+    with pytest.raises(zp.RestrictedLoadError):
+        zp.load(snapshot)
+
+    assert main(["scan", str(snapshot), "--allow", "torch.nn.modules.linear:Linear"]) == 0
+    out = capsys.readouterr().out
+    assert "refused" not in out
+    assert out.endswith("restricted load with --allow torch.nn.modules.linear:Linear: accepted\n")
+    assert isinstance(zp.load(snapshot, allow=["torch.nn.modules.linear:Linear"])["layer"], torch.nn.Linear)
+
+
+def test_scan_json(snapshot: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["scan", "--json", str(snapshot)]) == 3
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == {"file", "allow", "globals", "restricted"}
+    assert report["file"] == str(snapshot) and report["allow"] == []
+    assert [g["name"] for g in report["globals"]] == [format_global(p) for p in zp.scan(snapshot)]
+    assert all(set(g) == {"name", "module", "qualname", "status"} for g in report["globals"])
+    statuses = {g["name"]: g["status"] for g in report["globals"]}
+    assert statuses.pop("torch.nn.modules.linear:Linear") == "refused"
+    assert set(statuses.values()) == {"allowed"}
+    restricted = report["restricted"]
+    assert set(restricted) == {"accepted", "refused", "blocked", "message"}
+    assert restricted["accepted"] is False and restricted["refused"] == ["torch.nn.modules.linear:Linear"]
+    assert restricted["blocked"] == [] and "not on this load's allow-list" in restricted["message"]
+
+    plain = tmp_path / "plain.zcp"
+    zp.dump({"t": torch.arange(3)}, plain)
+    assert main(["scan", "--json", str(plain)]) == 0
+    restricted = json.loads(capsys.readouterr().out)["restricted"]
+    assert restricted == {"accepted": True, "refused": [], "blocked": [], "message": None}
+
+
+def test_scan_reports_blocked_globals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "hostile.zcp"
+    zp.dump({"run": os.system, "t": torch.ones(1)}, path)
+    # --allow cannot lift the blocklist: the load's own rule, not the scan's
+    assert main(["scan", "--json", str(path), "--allow", f"{os.system.__module__}:system"]) == 3
+    report = json.loads(capsys.readouterr().out)
+    blocked = f"{os.system.__module__}:system"
+    assert {g["name"]: g["status"] for g in report["globals"]}[blocked] == "blocked"
+    assert report["restricted"]["blocked"] == [blocked]
+    with pytest.raises(zp.RestrictedLoadError, match="blocklist"):
+        zp.load(path, allow=[blocked])
+
+
+def test_scan_refuses_a_use_that_no_name_explains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A stream that calls a value of the safe set names only allowed globals: the refusal is of the use."""
+    from .hostile_streams import as_snapshot
+
+    stream = b"\x80\x05ctorch\nfloat32\n)R."  # GLOBAL torch.float32, EMPTY_TUPLE, REDUCE: calls a dtype
+    path = tmp_path / "calls-a-dtype.zcp"
+    path.write_bytes(as_snapshot(stream, []))
+    with pytest.raises(zp.RestrictedLoadError) as refused:
+        zp.load(path)
+    assert main(["scan", "--json", str(path)]) == 3
+    report = json.loads(capsys.readouterr().out)
+    assert [g["status"] for g in report["globals"]] == ["allowed"]
+    assert report["restricted"]["accepted"] is False
+    assert report["restricted"]["message"] == str(refused.value)
+
+
+# --- native ---------------------------------------------------------------------------------------------------------
+
+
+def test_native_status_line_matches_the_library(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["native"]) == 0
+    state = native.status()
+    line = capsys.readouterr().out
+    assert line.startswith(f"native: {state.backend} ({state.reason}")
+    assert line.count("\n") == 1
+    assert main(["native", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report == {
+        "backend": state.backend,
+        "mode": state.mode,
+        "reason": state.reason,
+        "extension_path": str(state.extension_path),
+        "built": state.built,
+        "build": None,
+    }
+    with native.use("python"):
+        assert main(["native"]) == 0
+    assert (
+        capsys.readouterr().out == "native: python (chosen by zerocopy_pickle.native.use('python') in this process)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({native.ENV: "0"}, "native: python (ZEROCOPY_PICKLE_NATIVE=0)"),
+        ({native.ENV: "python"}, "native: python (ZEROCOPY_PICKLE_NATIVE=python)"),
+        (
+            {native.ENV: "", native.CACHE_ENV: "{empty}"},
+            f"native: python (auto: no cached build for torch {torch.__version__}, Python "
+            f"{sys.version_info.major}.{sys.version_info.minor}; build them once: zerocopy-pickle native --build)",
+        ),
+        ({native.ENV: "sometimes"}, "zerocopy-pickle native: error: ZEROCOPY_PICKLE_NATIVE='sometimes': expected 0"),
+    ],
+    ids=["off", "python", "auto-nothing-built", "invalid"],
+)
+def test_native_says_why(env: dict[str, str], expected: str, tmp_path: Path) -> None:
+    env = {k: v.replace("{empty}", str(tmp_path / "cache")) for k, v in env.items()}
+    proc = run_python("import sys; from zerocopy_pickle.cli import main; sys.exit(main(sys.argv[1:]))", "native",
+                      env=env, check=False)  # fmt: skip
+    if expected.startswith("zerocopy-pickle"):
+        assert proc.returncode == 1 and proc.stdout == ""
+        assert proc.stderr.startswith(expected) and proc.stderr.count("\n") == 1
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == expected + "\n"
+    assert not (tmp_path / "cache").exists()  # asking never builds
+
+
+def test_native_reports_a_broken_cached_build(tmp_path: Path) -> None:
+    code = """
+    import sys
+    from zerocopy_pickle import native
+    from zerocopy_pickle.cli import main
+    native.extension_path().parent.mkdir(parents=True)
+    native.extension_path().write_bytes(b"not a shared object")
+    sys.exit(main(["native"]))
+    """
+    proc = run_python(code, env={native.ENV: "", native.CACHE_ENV: str(tmp_path / "cache")})
+    assert proc.stdout.startswith("native: python (auto: the cached build at ")
+    assert "could not be loaded" in proc.stdout
+    assert proc.stdout.endswith("; rebuild it: zerocopy-pickle native --build --force)\n")
+    assert "NativeWarning" not in proc.stderr  # the status line says it once
+
+
+def test_native_build(capsys: pytest.CaptureFixture[str]) -> None:
+    """A real build (or the cached one): where it is, and the backend it makes active."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None or (shutil.which("ninja") is None and not _has_ninja_wheel()):
+        pytest.skip("no C++ compiler or ninja: the native helpers cannot be built here")
+    cached = native.extension_path().is_file()
+    assert main(["native", "--build"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    path = native.extension_path()
+    assert path.is_file()
+    if cached:
+        assert lines[0] == f"the native helpers were already built: {path}"
+    else:
+        assert lines[0].startswith("built the native helpers in ") and lines[0].endswith(f" s: {path}")
+    assert lines[1] == f"native: {native.status().backend} ({native.status().reason})"
+    assert main(["native", "--build", "--json"]) == 0
+    build = json.loads(capsys.readouterr().out)["build"]
+    assert build["path"] == str(path) and build["compiled"] is False and build["seconds"] >= 0
+
+
+@pytest.mark.slow
+def test_native_build_compiles_and_reports_the_cached_path(tmp_path: Path) -> None:
+    """A real compile (of a tiny stand-in source) into an empty cache: the lines name the file that stays in
+    the cache, not the build folder it was compiled in."""
+    from .test_native import TINY_EXTENSION, _toolchain_missing
+
+    missing = _toolchain_missing()
+    if missing is not None:
+        pytest.skip(f"native helpers cannot be built here: {missing}")
+    source = tmp_path / "tiny.cpp"
+    source.write_text(TINY_EXTENSION)
+    code = """
+    import sys
+    from pathlib import Path
+    from zerocopy_pickle import native
+    from zerocopy_pickle.cli import main
+    native._SOURCE = Path(sys.argv[1])
+    code = main(["native", "--build"])
+    print(native.extension_path())
+    sys.exit(code)
+    """
+    proc = run_python(code, str(source), env={native.ENV: "", native.CACHE_ENV: str(tmp_path / "cache")})
+    built, status, path = proc.stdout.splitlines()
+    assert Path(path).is_file() and Path(path).is_relative_to(tmp_path / "cache")
+    assert built.startswith("built the native helpers in ") and built.endswith(f" s: {path}")
+    assert status == f"native: native (auto: cached build at {path})"
+
+
+def _has_ninja_wheel() -> bool:
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_native_build_failure_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def no_compiler(force: bool = False) -> Path:
+        raise native.NativeBuildError("cannot build the native helpers: no C++ compiler ('c++' is not on PATH)")
+
+    monkeypatch.setattr(native, "build", no_compiler)
+    assert main(["native", "--build"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "zerocopy-pickle native: error: cannot build the native helpers: no C++ compiler ('c++' is not on PATH)\n"
+    )
+    assert main(["native", "--build", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["exit_code"] == 1
+
+
+# --- the cache's commands --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["status", "stop", "clear"])
+def test_no_cache_server_exits_5(
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with private_dir() as directory:
+        # no directory at all, a directory without a socket, and a socket nobody listens on (a dead server's)
+        monkeypatch.setenv(DIR_ENV, str(directory / "absent"))
+        assert main([command]) == cli.EXIT_NO_SERVER == 5
+        assert capsys.readouterr().err.startswith(f"zerocopy-pickle {command}: error: no cache server is running (")
+        monkeypatch.setenv(DIR_ENV, str(directory))
+        assert main([command]) == 5
+        assert capsys.readouterr().err == (
+            f"zerocopy-pickle {command}: error: no cache server is running at {directory / 'server.sock'}\n"
+        )
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+            dead.bind(str(directory / "server.sock"))
+        assert main([command, *(["--json"] if command == "status" else [])]) == 5
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"zerocopy-pickle {command}: error: no cache server is running at ")
+        if command == "status":
+            assert json.loads(captured.out)["exit_code"] == 5
+
+
+def test_the_cache_modules_own_entry_uses_the_same_codes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m zerocopy_pickle.cache`` (what a patched client starts) runs without the top-level CLI."""
+    from zerocopy_pickle.cache import cli as cache_cli
+
+    with private_dir() as directory:
+        monkeypatch.setenv(DIR_ENV, str(directory))
+        assert cache_cli.main(["status"]) == cache_cli.EXIT_NO_SERVER == cli.EXIT_NO_SERVER
+        assert capsys.readouterr().err.startswith("zerocopy-pickle status: error: no cache server is running at ")
+
+        def interrupted() -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr("zerocopy_pickle.cache.stop", interrupted)
+        assert cache_cli.main(["stop"]) == cache_cli.EXIT_INTERRUPTED == 130
+
+
+def test_cache_commands_against_a_running_server(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with running_server() as server:
+        monkeypatch.setenv(DIR_ENV, str(server.directory))
+        assert main(["status"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"zerocopy_pickle cache: server pid {server.pid}, ") and "0 entries" in out
+        assert main(["status", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["pid"] == server.pid and report["entries"] == [] and report["hits"] == 0
+        assert main(["clear"]) == 0
+        assert capsys.readouterr().out == "zerocopy_pickle cache: dropped 0 entries\n"
+        assert main(["stop"]) == 0
+        assert capsys.readouterr().out == "zerocopy_pickle cache stopped\n"
+        assert server.process.wait(timeout=30) == 0
+    assert main(["status"]) == 5
+
+
+def test_the_parser_and_the_console_import_no_torch() -> None:
+    """`serve` must not import torch: nothing main() does before the command runs may import it."""
+    proc = run_python(
+        """
+        import sys
+        from zerocopy_pickle.cli import main
+        try:
+            main(["-v", "serve", "--help"])
+        except SystemExit:
+            pass
+        print(sorted(m for m in ("torch", "numpy") if m in sys.modules))
+        """
+    )
+    assert proc.stdout.splitlines()[-1] == "[]"
+
+
+# --- logging options ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "level"),
+    [([], logging.WARNING), (["-v"], logging.INFO), (["-vv"], logging.DEBUG), (["--verbose"] * 3, logging.DEBUG),
+     (["-q"], logging.ERROR), (["-v", "@", "-v"], logging.DEBUG), (["@", "-q"], logging.ERROR)],
+)  # fmt: skip
+def test_verbosity_options_set_the_library_loggers_level(
+    options: list[str], level: int, snapshot: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``@`` marks where the command's name goes: the options work before it, after it, or both."""
+    if "@" not in options:
+        options = [*options, "@"]
+    at = options.index("@")
+    argv = [*options[:at], "inspect", *options[at + 1 :], str(snapshot)]
+    assert main(argv) == 0
+    logger = logging.getLogger("zerocopy_pickle")
+    assert logger.level == level
+    logging.getLogger("zerocopy_pickle.snapshot").info("an info record")
+    logging.getLogger("zerocopy_pickle.snapshot").error("an error record")
+    err = capsys.readouterr().err
+    assert ("an info record" in err) == (level <= logging.INFO)
+    assert "an error record" in err

@@ -1,5 +1,6 @@
 """The switch between the optional native helpers (``csrc/``) and their pure-Python equivalents (public:
-:func:`backend`, :func:`build`, :func:`use`, :func:`cache_dir` and the errors; the rest serves the library).
+:func:`backend`, :func:`status`, :func:`build`, :func:`use`, :func:`cache_dir` and the errors; the rest serves the
+library).
 
 Every function here has a Python implementation that gives the same results; a native one replaces it only
 where it measurably pays (``benchmarks/native.py``):
@@ -14,7 +15,8 @@ where it measurably pays (``benchmarks/native.py``):
   load runs before unpickling (:func:`zerocopy_pickle.semantics.uses`), in one native pass. See
   :func:`zerocopy_pickle.semantics.uses` for the figures.
 
-:func:`backend` says which implementation is active. ``ZEROCOPY_PICKLE_NATIVE`` chooses, read once when this
+:func:`backend` says which implementation is active, :func:`status` also why (``zerocopy-pickle native`` prints
+it). ``ZEROCOPY_PICKLE_NATIVE`` chooses, read once when this
 module is imported (by the first use of the snapshot API: ``import zerocopy_pickle`` alone does not import it):
 
 * ``0`` or ``python``: always Python.
@@ -44,6 +46,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import io
+import logging
 import os
 import platform
 import shutil
@@ -52,6 +55,7 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
@@ -63,6 +67,7 @@ from .errors import ArgumentError, ZeroCopyPickleError
 __all__ = [
     "CACHE_ENV",
     "ENV",
+    "BackendStatus",
     "NativeBuildError",
     "NativeWarning",
     "backend",
@@ -70,6 +75,7 @@ __all__ = [
     "cache_dir",
     "extension_path",
     "jit_load_from_buffer",
+    "status",
     "storage_builder",
     "stream_analyzer",
     "use",
@@ -116,18 +122,22 @@ def _mode_from_env() -> str:
 class _State:
     """This process's choice of backend (one instance; every change happens under ``_lock``)."""
 
-    __slots__ = ("active", "failure", "imported", "mode", "resolved")
+    __slots__ = ("active", "failure", "imported", "load_error", "mode", "override", "resolved", "setting")
 
     def __init__(self) -> None:
+        self.setting = os.environ.get(ENV)  # as read at import, for status()
         self.mode = _mode_from_env()
         self.resolved = False  # whether `active` reflects `mode` yet (resolution happens on first use)
         self.active: ModuleType | None = None  # the loaded extension while the native backend is active
         self.failure: NativeBuildError | None = None  # a forced build that failed: raised again, not retried
         self.imported: dict[Path, ModuleType] = {}  # extensions loaded in this process, by path (once each)
+        self.load_error: str | None = None  # auto: why the cached build could not be loaded, for status()
+        self.override: str | None = None  # the backend use() chose, inside its block
 
 
 _lock = threading.RLock()
 _state = _State()
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -136,7 +146,15 @@ _state = _State()
 
 
 def backend() -> str:
-    """``"native"`` or ``"python"``: which implementation the functions of this module use."""
+    """``"native"`` or ``"python"``: which implementation the functions of this module use.
+
+    ``zerocopy-pickle native`` prints it, and why.
+
+    Examples:
+        >>> from zerocopy_pickle import native
+        >>> native.backend() in ("native", "python")
+        True
+    """
     return "python" if _extension() is None else "native"
 
 
@@ -201,6 +219,8 @@ def _extension() -> ModuleType | None:
             else:
                 state.active = _load_cached_quietly()
             state.resolved = True
+            if log.isEnabledFor(logging.INFO):  # once per process; status() hashes the source
+                log.info("%s backend active (%s)", "python" if state.active is None else "native", status().reason)
         return state.active
 
 
@@ -214,6 +234,7 @@ def _load_cached_quietly() -> ModuleType | None:
             return None
         return _import_extension(path)
     except Exception as e:
+        _state.load_error = f"{type(e).__name__}: {e}"
         warnings.warn(
             f"zerocopy_pickle: the cached native helpers could not be loaded ({type(e).__name__}: {e}); "
             f"using the Python implementations. Rebuild with zerocopy_pickle.native.build(force=True) or "
@@ -233,13 +254,79 @@ def use(name: str) -> Iterator[None]:
         raise ArgumentError(f"backend must be 'python' or 'native', not {name!r}")
     module = None if name == "python" else _load_or_build()
     with _lock:
-        saved = _state.resolved, _state.active
-        _state.resolved, _state.active = True, module
+        saved = _state.resolved, _state.active, _state.override
+        _state.resolved, _state.active, _state.override = True, module, name
     try:
         yield
     finally:
         with _lock:
-            _state.resolved, _state.active = saved
+            _state.resolved, _state.active, _state.override = saved
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """What :func:`status` returns.
+
+    Attributes:
+        backend: ``"native"`` or ``"python"``, as :func:`backend` says.
+        mode: what ``ZEROCOPY_PICKLE_NATIVE`` asked for: ``"auto"``, ``"native"`` or ``"python"``.
+        reason: one line saying why this backend is active (``"auto: no cached build for torch 2.5.1,
+            Python 3.11"``, ``"ZEROCOPY_PICKLE_NATIVE=0"``, ``"auto: cached build at /.../x.so"``). Auto mode's
+            own reasons start with ``"auto:"``; inside a :func:`use` block it names that instead.
+        extension_path: where the build for this source, torch and Python lives in the cache, or would once
+            built (:func:`extension_path`); None when the package was installed without the C++ source.
+        built: whether that file exists.
+    """
+
+    backend: str
+    mode: str
+    reason: str
+    extension_path: Path | None
+    built: bool
+
+
+def status() -> BackendStatus:
+    """Which backend is active and why, and where its build lives in the cache.
+
+    It resolves the backend as a first use would: in auto mode that imports a cached build if there is one
+    (never compiles), so the answer is what loads in this process use.
+
+    Examples:
+        ```python
+        from zerocopy_pickle import native
+
+        state = native.status()
+        print(f"{state.backend} ({state.reason})")
+        # python (auto: no cached build for torch 2.5.1, Python 3.11)
+        ```
+
+    Raises:
+        NativeBuildError: ``ZEROCOPY_PICKLE_NATIVE=1`` and the helpers cannot be built or loaded.
+    """
+    module = _extension()
+    path: Path | None = None
+    if _SOURCE.is_file():
+        with contextlib.suppress(OSError):
+            path = extension_path()
+    built = path is not None and path.is_file()
+    active = "python" if module is None else "native"
+    setting = f"{ENV}={_state.setting}"
+    if _state.override is not None:
+        reason = f"chosen by zerocopy_pickle.native.use({_state.override!r}) in this process"
+    elif _state.mode == "python":
+        reason = setting
+    elif _state.mode == "native":
+        reason = f"{setting}: built or loaded from the cache at {path}"
+    elif module is not None:
+        reason = f"auto: cached build at {path}"
+    elif path is None:
+        reason = "auto: installed without the C++ source, so there is nothing to build"
+    elif not built:
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        reason = f"auto: no cached build for torch {torch.__version__}, Python {version}"
+    else:
+        reason = f"auto: the cached build at {path} could not be loaded ({_state.load_error or 'unknown error'})"
+    return BackendStatus(active, _state.mode, reason, path, built)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -290,6 +377,18 @@ def build(force: bool = False) -> Path:
     ``ZEROCOPY_PICKLE_NATIVE=0``; returns the extension's path. ``force`` rebuilds even if cached.
 
     Raises :class:`NativeBuildError` if there is no C++ compiler or ninja, or the build fails.
+
+    Examples:
+        Once per machine or image (``zerocopy-pickle native --build`` does the same), for instance after
+        ``pip install 'zerocopy-pickle[native]'``:
+
+        ```python
+        from zerocopy_pickle import native
+
+        native.backend()  # "python": nothing built yet (the default, auto, never starts a compiler)
+        native.build()    # 30 to 60 s of CPU, once: later processes find the build in the cache
+        native.backend()  # "native"
+        ```
     """
     with _lock:
         module = _load_or_build(force=force)
@@ -363,6 +462,7 @@ def _compile(path: Path) -> ModuleType:
         # has done; this build has its own folder, so make it forget.
         with contextlib.suppress(AttributeError):
             cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(path.stem, None)
+        log.info("building the native helpers from %s into %s", _SOURCE, path)
         module: ModuleType = cpp_extension.load(
             name=path.stem,
             sources=[str(_SOURCE)],

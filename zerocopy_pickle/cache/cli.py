@@ -2,7 +2,8 @@
 
 ``python -m zerocopy_pickle.cache COMMAND`` runs them (:func:`main`; what a patched client uses to start a server),
 and the ``zerocopy-pickle`` console script offers them beside its snapshot commands (:func:`add_cache_commands`).
-Nothing here imports torch: the server must not.
+``status``, ``stop`` and ``clear`` exit with :data:`EXIT_NO_SERVER` when no server is running, so that a script
+can tell that from a failure. Nothing here imports torch: the server must not.
 """
 
 from __future__ import annotations
@@ -16,10 +17,60 @@ from typing import Any
 
 from ..errors import ZeroCopyPickleError
 
-__all__ = ["add_cache_commands", "human", "main"]
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_NO_SERVER",
+    "NoServer",
+    "add_cache_commands",
+    "human",
+    "main",
+    "no_server",
+]
+
+EXIT_ERROR = 1
+"""Exit status of a command that failed (the message is on stderr)."""
+EXIT_NO_SERVER = 5
+"""Exit status of ``status``, ``stop`` and ``clear`` when no cache server is running."""
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (SIGINT): 128 + the signal's number, as shells report it."""
+
+
+class NoServer(ZeroCopyPickleError):
+    """No cache server is running (raised by the commands here, from the client's :class:`CacheError`)."""
+
+
+def no_server(error: BaseException) -> bool:
+    """Whether a cache error means that no server is running, rather than that one failed: its cause (the
+    client chains it) is a missing socket or directory, or a refused connection (a socket left by a server that
+    died)."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, (FileNotFoundError, ConnectionRefusedError)):
+            return True
+        cause = cause.__cause__
+    return False
+
+
+def _server_call(function: Any) -> Any:
+    """Call a function of :mod:`zerocopy_pickle.cache` that talks to the server, turning "no server" into
+    :class:`NoServer`."""
+    from .protocol import CacheError, socket_path
+
+    try:
+        return function()
+    except CacheError as e:
+        if not no_server(e):
+            raise
+        try:
+            where = f" at {socket_path(create=False)}"
+        except CacheError as missing:  # not even its directory: say which one
+            where = f" ({missing})"
+        raise NoServer(f"no cache server is running{where}") from e
 
 
 def human(nbytes: int) -> str:
+    """``1536`` -> ``"1.5 KiB"``: sizes as the commands print them."""
     size = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
@@ -48,7 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from .. import cache
 
-    info = cache.status()
+    info: dict[str, Any] = _server_call(cache.status)
     if args.json:
         json.dump(info, sys.stdout, indent=2)
         print()
@@ -70,7 +121,7 @@ def _status(args: argparse.Namespace) -> int:
 def _stop(args: argparse.Namespace) -> int:
     from .. import cache
 
-    cache.stop()
+    _server_call(cache.stop)
     print("zerocopy_pickle cache stopped")
     return 0
 
@@ -78,13 +129,27 @@ def _stop(args: argparse.Namespace) -> int:
 def _clear(args: argparse.Namespace) -> int:
     from .. import cache
 
-    print(f"zerocopy_pickle cache: dropped {cache.clear()} entries")
+    print(f"zerocopy_pickle cache: dropped {_server_call(cache.clear)} entries")
     return 0
+
+
+_FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 def add_cache_commands(sub: Any) -> None:
     """Add the cache's commands to an ``argparse`` subparsers object."""
-    p = sub.add_parser("serve", help="run the model cache server in the foreground")
+    p = sub.add_parser(
+        "serve",
+        help="run the model cache server in the foreground",
+        formatter_class=_FORMATTER,
+        description="Run the model cache server in this terminal until `zerocopy-pickle stop`, SIGTERM or Ctrl-C.\n"
+        "Patched programs (zerocopy_pickle.cache.patch_all()) start one in the background when none runs;\n"
+        "run it yourself to choose its memory budget or persistence. It logs when it starts and stops (stderr).",
+        epilog="examples:\n"
+        "  zerocopy-pickle serve                          # unbounded, in memory only\n"
+        "  zerocopy-pickle serve --max-bytes 16G          # evict least recently used entries beyond 16 GiB\n"
+        "  zerocopy-pickle serve --persist ~/.zcp-cache   # keep entries on disk: a restart is warm",
+    )
     p.add_argument("--max-bytes", type=_size, default=None, help="evict LRU entries beyond this size (e.g. 16G)")
     p.add_argument("--persist", default=None, metavar="DIR", help="keep entries on disk here; restart warm")
     p.add_argument(
@@ -94,12 +159,37 @@ def add_cache_commands(sub: Any) -> None:
         "file (by default the cache references such files instead)",
     )
     p.set_defaults(func=_serve)
-    p = sub.add_parser("status", help="show the cache server's entries, sizes, hits and misses")
-    p.add_argument("--json", action="store_true", help="print a JSON report")
+    p = sub.add_parser(
+        "status",
+        help="show the cache server's entries, sizes, hits and misses",
+        formatter_class=_FORMATTER,
+        description="Print the running cache server's pids, its entries (key, size, hits, the call that made\n"
+        f"each), memory and file sizes, and hit, miss and eviction counts. Exits {EXIT_NO_SERVER} if no server "
+        "is running.",
+        epilog="examples:\n"
+        "  zerocopy-pickle status\n"
+        "  zerocopy-pickle status --json | jq .hits\n"
+        f"  zerocopy-pickle status >/dev/null 2>&1; [ $? -eq {EXIT_NO_SERVER} ] && echo 'no server'",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON report (see docs/cli.md for its keys)")
     p.set_defaults(func=_status)
-    p = sub.add_parser("stop", help="stop the cache server")
+    p = sub.add_parser(
+        "stop",
+        help="stop the cache server",
+        formatter_class=_FORMATTER,
+        description=f"Stop the running cache server (its entries are lost unless it persists them). Exits "
+        f"{EXIT_NO_SERVER} if\nno server is running.",
+        epilog="examples:\n  zerocopy-pickle stop",
+    )
     p.set_defaults(func=_stop)
-    p = sub.add_parser("clear", help="drop every entry of the cache server")
+    p = sub.add_parser(
+        "clear",
+        help="drop every entry of the cache server",
+        formatter_class=_FORMATTER,
+        description=f"Drop every entry of the running cache server and print how many there were; the server "
+        f"keeps\nrunning. Exits {EXIT_NO_SERVER} if no server is running.",
+        epilog="examples:\n  zerocopy-pickle clear",
+    )
     p.set_defaults(func=_clear)
 
 
@@ -110,6 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
+    except KeyboardInterrupt:
+        print(f"zerocopy-pickle {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except NoServer as e:
+        print(f"zerocopy-pickle {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_NO_SERVER
     except (ZeroCopyPickleError, OSError) as e:
         print(f"zerocopy-pickle {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
