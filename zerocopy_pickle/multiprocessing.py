@@ -72,6 +72,36 @@ class Shared:
 
     The memfd lives as long as this object (or until :meth:`close`); graphs already loaded from it, here or in
     other processes, keep their mappings and stay valid after that.
+
+    Examples:
+        One model, frozen once, for a pool of workers (each maps the same physical pages):
+
+        ```python
+        import multiprocessing as mp
+
+        import torch
+        from zerocopy_pickle.multiprocessing import Shared
+
+
+        def work(model, x):  # the worker receives the model itself, mapped copy-on-write
+            with torch.no_grad():
+                return model(x).shape
+
+
+        if __name__ == "__main__":
+            model = Shared(torch.nn.Linear(512, 512))  # one sealed memfd, one fd per message
+            with mp.get_context("spawn").Pool(2) as pool:
+                print(pool.starmap(work, [(model, torch.randn(1, 512))] * 4))
+        ```
+
+        In this process, or one that inherited it (``fork``):
+
+        >>> import torch
+        >>> from zerocopy_pickle.multiprocessing import Shared
+        >>> shared = Shared(torch.nn.Linear(4, 2))
+        >>> shared.load().out_features
+        2
+        >>> shared.close()
     """
 
     __slots__ = ("_snapshot",)

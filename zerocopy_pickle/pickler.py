@@ -339,6 +339,17 @@ class ZeroCopyPickler(_Reductions, pickle.Pickler):  # type: ignore[misc]
 
     Raises:
         ArgumentError: a protocol below 5; ``by_value`` without cloudpickle installed.
+
+    Examples:
+        >>> import io, torch
+        >>> from zerocopy_pickle import ZeroCopyPickler, ZeroCopyUnpickler
+        >>> stream, buffers = io.BytesIO(), []
+        >>> ZeroCopyPickler(stream, buffer_callback=buffers.append).dump({"w": torch.ones(2)})
+        >>> len(buffers)  # the storage's bytes, out of band: not in the stream
+        1
+        >>> _ = stream.seek(0)
+        >>> ZeroCopyUnpickler(stream, buffers=buffers).load()
+        {'w': tensor([1., 1.])}
     """
 
     def __init__(

@@ -209,6 +209,25 @@ class Frozen:
 
     Raises:
         DumpError: part of the graph cannot be pickled.
+
+    Examples:
+        ```python
+        import ray
+        import torch
+        from zerocopy_pickle.ray import Frozen
+
+        ray.init()
+        ref = ray.put(Frozen(torch.nn.Linear(512, 512)))  # one snapshot in the object store, one copy per node
+
+
+        @ray.remote
+        def work(model, x):  # Ray passes the graph: copy-on-write views of the store's pages
+            with torch.no_grad():
+                return model(x).shape
+
+
+        print(ray.get([work.remote(ref, torch.randn(1, 512)) for _ in range(4)]))
+        ```
     """
 
     __slots__ = ("_snapshot",)

@@ -269,6 +269,25 @@ def register_reducer(
     Raises:
         ArgumentError: a malformed target or entry, or the target is taken and ``clobber`` is False.
         PluginError: a safe global is not a plain module-level function (a class, builtin, method, lambda...).
+
+    Examples:
+        ```python
+        import zerocopy_pickle as zp
+        from zerocopy_pickle.validate import expect_float
+        from mypkg import Interval  # holds a generator: plain pickle refuses it
+
+
+        def rebuild_interval(lo, hi):  # module-level; a restricted load calls it with what the stream chose
+            where = "mypkg.rebuild_interval"
+            return Interval(expect_float(lo, where, "lo"), expect_float(hi, where, "hi"))
+
+
+        zp.register_reducer(Interval, lambda i: (rebuild_interval, (i.lo, i.hi)), safe_globals=[rebuild_interval])
+        zp.dump(Interval(0.0, 1.5), "interval.zcp")
+        zp.load("interval.zcp")  # restricted: rebuild_interval is a declared safe global
+        ```
+
+        A plugin registers the same way through its :class:`Registrar` (docs/plugins.md).
     """
     _DEFAULT.register_reducer(target, reduce, name=name, safe_globals=safe_globals, clobber=clobber)
 

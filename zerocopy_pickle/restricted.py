@@ -251,6 +251,17 @@ def allow_function(target: object) -> AllowFunction:
 
     Args:
         target: a function, a ``"module:qualname"`` string or a ``(module, qualname)`` tuple.
+
+    Examples:
+        A function the stream calls (a reducer's rebuild function), which checks its own arguments:
+
+        ```python
+        import zerocopy_pickle as zp
+        from mypkg import Interval, rebuild_interval  # rebuild_interval(lo, hi) validates lo and hi
+
+        interval = zp.load("interval.zcp", allow=[Interval, zp.allow_function(rebuild_interval)])
+        interval = zp.load("interval.zcp", allow=[Interval, zp.allow_function("mypkg:rebuild_interval")])
+        ```
     """
     return AllowFunction(target)
 

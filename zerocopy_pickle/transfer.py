@@ -566,6 +566,14 @@ def to_device(obj: Any, device: str | torch.device, *, method: str = "auto") -> 
         DeviceError: the device does not exist here, or a tensor that needs its own ``.to()`` sits in a
             tuple or set (nothing was moved in either case); an allocation or copy failed.
         ArgumentError: an unknown ``method``.
+
+    Examples:
+        >>> import torch, zerocopy_pickle as zp
+        >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+        >>> pipe = {"unet": torch.nn.Linear(4, 2), "scale": torch.ones(2)}
+        >>> pipe = zp.to_device(pipe, device)  # one bulk transfer, not one copy per tensor
+        >>> pipe["unet"].weight.device.type == pipe["scale"].device.type == device
+        True
     """
     if method not in METHODS:
         raise ArgumentError(f"method must be one of {', '.join(map(repr, METHODS))}, not {method!r:.40}")

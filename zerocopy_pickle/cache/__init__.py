@@ -76,6 +76,13 @@ def status() -> dict[str, Any]:
 
     Raises:
         CacheError: no server is running.
+
+    Examples:
+        ```python
+        from zerocopy_pickle import cache
+
+        info = cache.status()  # what `zerocopy-pickle status --json` prints
+        ```
     """
     from .client import Client
     from .messages import StatusReply, StatusRequest

@@ -110,6 +110,25 @@ def patch_all(points: Sequence[str] | None = None, *, autostart: bool = True) ->
 
     Returns:
         The points patched so far (the others are patched on import).
+
+    Examples:
+        ```python
+        from zerocopy_pickle import cache
+
+        cache.patch_all()  # before or after importing diffusers / transformers; starts a server if none runs
+
+        from transformers import AutoModelForCausalLM
+
+        # The first call (in any process of this user) loads as usual and fills the cache in the background;
+        # every later one gets the model from shared memory, copy-on-write.
+        model = AutoModelForCausalLM.from_pretrained("/models/llama")
+        ```
+
+        Only some loaders, without starting a server (``zerocopy-pickle serve`` runs one):
+
+        ```python
+        cache.patch_all(["torch:load", "safetensors.torch:load_file"], autostart=False)
+        ```
     """
     if points is None:
         points = all_patch_points()
