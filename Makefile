@@ -10,10 +10,16 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+# pip's output with this machine's package mirrors names every mirror folder a package is not in ("WARNING:
+# Location 'file:///...' is ignored: it is neither a file nor a directory."), dozens of lines per install that
+# say nothing about this project: drop exactly those, keep every other line and pip's exit status.
+SHELL  := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+QUIETPIP := 2>&1 | { grep -v "' is ignored: it is neither a file nor a directory" || true; }
 STAMP  := $(VENV)/.installed
 TESTSTAMP := $(VENV)/.installed-test
 
-.PHONY: setup setup-test demo test lint typecheck pytest bench clean
+.PHONY: setup setup-test demo docs test lint typecheck pytest bench clean
 
 setup: $(STAMP)
 
@@ -21,21 +27,28 @@ setup-test: $(TESTSTAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	$(PIP) install --quiet --upgrade pip $(QUIETPIP)
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PIP) install --quiet -c constraints.txt -e '.[dev]' $(QUIETPIP)
 	touch $(STAMP)
 
 $(TESTSTAMP): $(STAMP)
 # stable-fast, for the stable-fast quirk's tests: an sdist that compiles against the installed torch, so
 # without build isolation (its build tools first) and CPU-only. pip's wheel cache keeps the build (minutes)
 # to the first setup of a machine; after changing the torch pin, run `$(PIP) cache remove stable_fast`.
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PIP) install --quiet -c constraints.txt setuptools wheel ninja
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PIP) install --quiet -c constraints.txt setuptools wheel ninja \
+		$(QUIETPIP)
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt WITH_CUDA=0 $(PIP) install --quiet --no-build-isolation \
-		-c constraints.txt stable-fast==1.0.5
+		-c constraints.txt stable-fast==1.0.5 $(QUIETPIP)
 	touch $(TESTSTAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/zerocopy-pickle demo
+
+# The documentation site (mkdocs-material, API reference from the docstrings) into site/; --strict turns a broken
+# link, a missing anchor or a page left out of the nav into an error. The test suite builds it the same way
+# (tests/test_docs.py), so `make test` fails on what fails here.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict  # the variable drops mkdocs-material's end-of-life banner
 
 lint: $(TESTSTAMP)
 	$(VENV)/bin/ruff check .
@@ -55,4 +68,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/dump.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info
