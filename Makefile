@@ -27,17 +27,22 @@ setup-test: $(TESTSTAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip $(QUIETPIP)
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PIP) install --quiet -c constraints.txt -e '.[dev]' $(QUIETPIP)
+	@echo "installing zerocopy-pickle with its [dev] extra into $(VENV) (torch pinned by constraints.txt) ..."
+	@$(PIP) install --quiet --upgrade pip $(QUIETPIP)
+# setuptools' note on every editable install that uses an import hook (ours does: quirks/ installs as
+# zerocopy_pickle_quirks) says nothing about this project either: that one warning is ignored, by its message.
+	@PYTHONWARNINGS="ignore:Editable installation.:UserWarning" PIP_CONSTRAINT=$(CURDIR)/constraints.txt \
+		$(PIP) install --quiet -c constraints.txt -e '.[dev]' $(QUIETPIP)
 	touch $(STAMP)
 
 $(TESTSTAMP): $(STAMP)
 # stable-fast, for the stable-fast quirk's tests: an sdist that compiles against the installed torch, so
 # without build isolation (its build tools first) and CPU-only. pip's wheel cache keeps the build (minutes)
 # to the first setup of a machine; after changing the torch pin, run `$(PIP) cache remove stable_fast`.
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PIP) install --quiet -c constraints.txt setuptools wheel ninja \
+	@echo "building stable-fast 1.0.5 (CPU-only) for the stable-fast quirk's tests: minutes the first time ..."
+	@PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PIP) install --quiet -c constraints.txt setuptools wheel ninja \
 		$(QUIETPIP)
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt WITH_CUDA=0 $(PIP) install --quiet --no-build-isolation \
+	@PIP_CONSTRAINT=$(CURDIR)/constraints.txt WITH_CUDA=0 $(PIP) install --quiet --no-build-isolation \
 		-c constraints.txt stable-fast==1.0.5 $(QUIETPIP)
 	touch $(TESTSTAMP)
 

@@ -105,8 +105,9 @@ def _status(args: argparse.Namespace) -> int:
         print()
         return 0
     budget = human(info["max_bytes"]) if info["max_bytes"] else "unbounded"
+    loader = "no loader running" if info["loader_pid"] is None else f"loader pid {info['loader_pid']}"
     print(
-        f"zerocopy_pickle cache: server pid {info['pid']}, loader pid {info['loader_pid']}\n"
+        f"zerocopy_pickle cache: server pid {info['pid']}, {loader}\n"
         f"  {len(info['entries'])} entries, {human(info['total_bytes'])} in memory and "
         f"{human(info['file_bytes'])} in {len(info['files'])} checkpoint files, {info['segments']} segments "
         f"({human(info['logical_bytes'])} before sharing), budget {budget}\n"
