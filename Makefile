@@ -18,6 +18,7 @@ SHELL  := /bin/bash
 QUIETPIP := 2>&1 | { grep -v "' is ignored: it is neither a file nor a directory" || true; }
 STAMP  := $(VENV)/.installed
 TESTSTAMP := $(VENV)/.installed-test
+DEMOSTAMP := $(VENV)/.installed-demo
 
 .PHONY: setup setup-test demo docs test lint typecheck pytest bench clean
 
@@ -25,15 +26,26 @@ setup: $(STAMP)
 
 setup-test: $(TESTSTAMP)
 
-$(STAMP): pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	@echo "installing zerocopy-pickle with its [dev] extra into $(VENV) (torch pinned by constraints.txt) ..."
-	@$(PIP) install --quiet --upgrade pip $(QUIETPIP)
 # setuptools' note on every editable install that uses an import hook (ours does: quirks/ installs as
 # zerocopy_pickle_quirks) says nothing about this project either: that one warning is ignored, by its message.
-	@PYTHONWARNINGS="ignore:Editable installation.:UserWarning" PIP_CONSTRAINT=$(CURDIR)/constraints.txt \
-		$(PIP) install --quiet -c constraints.txt -e '.[dev]' $(QUIETPIP)
-	touch $(STAMP)
+INSTALL := PYTHONWARNINGS="ignore:Editable installation.:UserWarning" PIP_CONSTRAINT=$(CURDIR)/constraints.txt \
+	$(PIP) install --quiet -c constraints.txt
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	@$(PIP) install --quiet --upgrade pip $(QUIETPIP)
+
+$(STAMP): pyproject.toml constraints.txt $(VENV)/bin/python
+	@echo "installing zerocopy-pickle with its [dev] extra into $(VENV) (torch pinned by constraints.txt) ..."
+	@$(INSTALL) -e '.[dev]' $(QUIETPIP)
+	touch $(STAMP) $(DEMOSTAMP)
+
+# The demo needs only the [demo] extra (the libraries the cache patches, safetensors): a fraction of [dev]'s
+# download and install time on a fresh machine. A venv set up for the tests has it already.
+$(DEMOSTAMP): pyproject.toml constraints.txt $(VENV)/bin/python
+	@echo "installing zerocopy-pickle with its [demo] extra into $(VENV) (torch pinned by constraints.txt) ..."
+	@$(INSTALL) -e '.[demo]' $(QUIETPIP)
+	touch $(DEMOSTAMP)
 
 $(TESTSTAMP): $(STAMP)
 # stable-fast, for the stable-fast quirk's tests: an sdist that compiles against the installed torch, so
@@ -46,7 +58,7 @@ $(TESTSTAMP): $(STAMP)
 		-c constraints.txt stable-fast==1.0.5 $(QUIETPIP)
 	touch $(TESTSTAMP)
 
-demo: $(STAMP)
+demo: $(DEMOSTAMP)
 	$(VENV)/bin/zerocopy-pickle demo
 
 # The documentation site (mkdocs-material, API reference from the docstrings) into site/; --strict turns a broken
