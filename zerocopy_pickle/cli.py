@@ -84,6 +84,8 @@ environment:
   ZEROCOPY_PICKLE_CACHE_DIR  the model cache server's private directory (default
                              $XDG_RUNTIME_DIR/zerocopy_pickle, else /tmp/zerocopy_pickle-UID)
   ZEROCOPY_PICKLE_DISABLE_PLUGINS  comma-separated plugin names not to load
+  ZEROCOPY_PICKLE_PROGRESS   0/off: no progress bars; unset/auto: a bar on a terminal (convert, dumps)
+  ZEROCOPY_PICKLE_PROGRESS_MIN  the smallest operation that gets a bar (default 256M)
   CXX                        the C++ compiler `native --build` uses (default c++)"""
 
 
