@@ -117,3 +117,22 @@ def test_a_trusted_streams_own_failure_propagates_as_itself() -> None:
     stream = pickle.dumps(Boom(), protocol=5)
     with pytest.raises(ValueError, match="invalid literal"):
         loadcore.load_stream(stream, [], trusted=True)
+
+
+def test_admit_stream_decides_as_a_restricted_load_does() -> None:
+    """admit_stream (zerocopy-pickle scan) refuses what a restricted load_stream refuses, with the same globals
+    needed, and admits it with the same allow-list, reading no buffer."""
+    module = torch.nn.Linear(2, 2)
+    out = io.BytesIO()
+    buffers: list[pickle.PickleBuffer] = []
+    ZeroCopyPickler(out, buffer_callback=lambda b: buffers.append(b) or False).dump(module)
+    stream = out.getvalue()
+    with pytest.raises(zp.RestrictedLoadError) as by_load:
+        loadcore.load_stream(stream, [b.raw() for b in buffers], trusted=False)
+    with pytest.raises(zp.RestrictedLoadError) as by_admission:
+        loadcore.admit_stream(stream)
+    assert by_admission.value.needed == by_load.value.needed
+    assert ("torch.nn.modules.linear", "Linear") in by_admission.value.needed
+    loadcore.admit_stream(stream, allow=[torch.nn.Linear])  # no buffers given: none is read
+    with pytest.raises(zp.SnapshotError):
+        loadcore.admit_stream(stream[: len(stream) // 2])

@@ -167,9 +167,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _scan(args: argparse.Namespace) -> int:
     from . import integrity, sources
-    from .pickler import ZeroCopyUnpickler
-    from .registry import default_registry
-    from .restricted import format_global, scan_stream, stream_uses
+    from .loadcore import admit_stream
+    from .restricted import format_global, scan_stream
 
     opened = sources.open_source(args.file, sources.INSPECT, what="scan")
     header = opened.header
@@ -178,20 +177,11 @@ def _scan(args: argparse.Namespace) -> int:
     # What a load checks first: a damaged stream is refused before anything looks at what it names.
     integrity.verify_stream(header, stream)
     pairs = scan_stream(stream)
-    # The verdict is the restricted load's own decision, not a copy of it: the same registry check of the
-    # header's plugins (presence only) and the same unpickler's admission of the stream's uses, run on the stream
-    # alone (no buffer is read, nothing is unpickled).
-    default_registry().prepare_load(header.plugins, trusted=False)
+    # The verdict is the restricted load's own decision, not a copy of it (loadcore.admit_stream: the same
+    # analysis, plugin presence check and unpickler admission, run on the stream alone).
     refusal: RestrictedLoadError | None = None
     try:
-        unpickler = ZeroCopyUnpickler(
-            io.BytesIO(stream),
-            buffers=[],
-            allow=args.allow,
-            plugins=[name for name, _ in header.plugins],
-            stream_uses=stream_uses(stream),
-        )
-        unpickler.admit()
+        admit_stream(stream, plugins=header.plugins, allow=args.allow)
     except RestrictedLoadError as e:
         refusal = e
     blocked = set(refusal.blocked) if refusal else set()

@@ -170,6 +170,36 @@ def load_stream(
         raise SnapshotError(f"{where} does not rebuild: {type(e).__name__}: {e}") from e
 
 
+def admit_stream(
+    stream: bytes,
+    *,
+    plugins: Iterable[tuple[str, str]] = (),
+    allow: AllowSpec = (),
+    registry: Registry | None = None,
+) -> None:
+    """Decide whether a restricted :func:`load_stream` of ``stream`` would admit it, on the stream alone: the
+    same analysis, the same presence check of ``plugins`` and the same unpickler's admission, in the same
+    order, with no buffer read and nothing unpickled (``zerocopy-pickle scan``).
+
+    Raises:
+        RestrictedLoadError: the load would refuse the stream (its ``needed`` and ``blocked`` say what).
+        SnapshotError: the stream is malformed.
+        PluginError: a plugin it needs is missing or disabled.
+    """
+    registry = registry if registry is not None else default_registry()
+    uses = stream_uses(stream)
+    plugins = list(plugins)
+    registry.prepare_load(plugins, trusted=False)
+    ZeroCopyUnpickler(
+        io.BytesIO(stream),
+        buffers=[],
+        allow=allow,
+        registry=registry,
+        plugins=[name for name, _ in plugins],
+        stream_uses=uses,
+    ).admit()
+
+
 def _place(
     placed: dict[int, torch.UntypedStorage],
     buffers: Buffers,
