@@ -70,12 +70,16 @@ def test_dump_over_a_larger_snapshot_leaves_nothing_of_it(tmp_path: Path) -> Non
     assert path.read_bytes() == zp.dumps(small)
 
 
-@pytest.mark.parametrize("cpus", [1, 2], ids=["same-thread", "hashing-thread"])
+@pytest.mark.parametrize(
+    ("cpus", "writers"), [(1, "auto"), (2, "1"), (2, "auto")], ids=["same-thread", "hashing-thread", "two-writers"]
+)
 def test_checksums_computed_while_writing_are_the_checksums(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int, writers: str
 ) -> None:
-    # Both ways of hashing: in the writing thread (one CPU), and in a second thread (every size counts as large).
+    # Every way of hashing: in the writing thread (one CPU), in a second thread beside one writer, and in two
+    # writing threads (every size counts as large). tests/test_parallel_write.py tests the last in depth.
     monkeypatch.setattr(integrity, "_usable_cpus", lambda: cpus)
+    monkeypatch.setenv(integrity.WRITERS_ENV, writers)
     monkeypatch.setattr(integrity, "PARALLEL_HASH_MIN_NBYTES", 0)
     monkeypatch.setattr(integrity, "_HASH_SLICE", 4096 + 3)  # slices that do not divide the buffers
     buffers = [b"", os.urandom(100), os.urandom(2 * arena.WRITE_CHUNK + 5), bytearray(os.urandom(4096))]
@@ -101,6 +105,7 @@ def test_checksums_computed_while_writing_are_the_checksums(
 
 def test_a_failed_write_stops_the_hashing_thread_and_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(integrity, "_usable_cpus", lambda: 2)
+    monkeypatch.setenv(integrity.WRITERS_ENV, "1")  # one writing thread and the hashing thread
     monkeypatch.setattr(integrity, "PARALLEL_HASH_MIN_NBYTES", 0)
     monkeypatch.setattr(integrity, "_HASH_SLICE", 4096)
     events: list[threading.Event] = []

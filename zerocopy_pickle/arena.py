@@ -14,10 +14,13 @@ tensor stays private to that one load.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import secrets
@@ -28,6 +31,7 @@ from typing import BinaryIO
 
 __all__ = [
     "Piece",
+    "Share",
     "anonymous",
     "atomic_output",
     "buffer_address",
@@ -39,8 +43,10 @@ __all__ = [
     "read_exact_into",
     "seal",
     "seals_of",
+    "split_placed",
     "write_pieces",
     "write_placed",
+    "write_shares",
 ]
 
 Piece = bytes | bytearray | memoryview
@@ -168,19 +174,42 @@ def write_placed(
     Raises:
         OSError: from the kernel (a full disk, a file size limit); what was written stays written.
     """
+    items = [(offset, memoryview(piece).cast("B"), index, True) for index, (offset, piece) in enumerate(placed)]
+    _write_items(fd, items, observe, progress)
+
+
+_Item = tuple[int, memoryview, int | None, bool]
+"""A piece to write: its file offset, its bytes, the index ``observe`` is told (None: not observed here) and
+whether ``progress`` counts it (padding is not counted)."""
+
+
+class _Stopped(Exception):
+    """Raised in a writing thread when another one failed: it stops before its next chunk."""
+
+
+def _write_items(
+    fd: int,
+    items: Sequence[_Item],
+    observe: Callable[[int, memoryview], object] | None,
+    progress: Callable[[int], object] | None,
+    stop: threading.Event | None = None,
+) -> None:
+    """The writes of :func:`write_placed` (see there), for pieces in ascending order of offset; with ``stop``,
+    raises :class:`_Stopped` before the next chunk once it is set."""
     batch: list[memoryview] = []
     start = end = 0  # the file range the batch covers
-    for index, (offset, piece) in enumerate(placed):
-        view = memoryview(piece).cast("B")
+    for offset, view, index, counted in items:
         at = 0
         while True:
             # Chunks end at file offsets that are multiples of WRITE_CHUNK, and a batch is written when it reaches
             # one: each aligned window of a file of contiguous buffers is then filled by one call, and the page
             # cache builds it from folios of that size, which a load maps with one fault each. Chunks cut at the
             # buffers' own (unaligned) offsets left small folios: 6x the page faults on every load.
+            if stop is not None and stop.is_set():
+                raise _Stopped
             position = offset + at
             chunk = view[at : at + WRITE_CHUNK - position % WRITE_CHUNK]
-            if observe is not None:
+            if observe is not None and index is not None:
                 observe(index, chunk)
             if chunk.nbytes:
                 gap = position - end
@@ -199,7 +228,7 @@ def write_placed(
                 elif gap:
                     batch.append(_ZEROS[:gap])
                 batch.append(chunk)
-                if progress is not None:
+                if progress is not None and counted:
                     progress(chunk.nbytes)
                 end = position + chunk.nbytes
                 if end % WRITE_CHUNK == 0 or end - start >= WRITE_CHUNK:
@@ -230,6 +259,171 @@ def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
             else:
                 views = [views[0][written:], *views[1:]]
                 written = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """One thread's part of a parallel :func:`write_shares`: the bytes of the file in ``[lo, hi)`` it writes, and
+    the pieces it observes whole (indices ``[first, stop)`` of the placed pieces, each one's chunks in order)."""
+
+    lo: int
+    hi: int
+    first: int
+    stop: int
+    head: tuple[tuple[int, memoryview], ...]
+    """``(index, bytes)``: the starts of this share's pieces that lie below ``lo``, written by the share before
+    (at most one window's worth), observed before anything else."""
+    items: tuple[_Item, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The piece bytes this share writes."""
+        return sum(view.nbytes for _, view, _, counted in self.items if counted)
+
+
+def split_placed(placed: Sequence[tuple[int, Piece]], parts: int) -> list[Share] | None:
+    """Divide the writes of :func:`write_placed` between ``parts`` threads, or None where they cannot be divided
+    usefully (fewer than two non-empty pieces, pieces out of order or overlapping, or no cut that gives every
+    thread at least ``1 / (parts + 1)`` of the bytes: one huge piece, say).
+
+    The file is cut at :data:`WRITE_CHUNK`-aligned offsets, each the first window boundary at or after the start
+    of some piece (balancing the bytes on either side): every byte below a cut is written by the thread before
+    it, every byte from it on by the next, so no aligned window is written by two calls, and the calls are the
+    ones :func:`write_placed` makes (the zero padding it writes across a cut is split there too). Each piece is
+    observed by exactly one thread, in order: the pieces that start at or after the chosen piece's start belong
+    to the next thread, which observes the part of them below the cut (less than one window; the thread before
+    writes it) before its own writes.
+    """
+    views = [memoryview(piece).cast("B") for _, piece in placed]
+    offsets = [offset for offset, _ in placed]
+    filled = [i for i, view in enumerate(views) if view.nbytes]
+    if parts < 2 or len(filled) < 2:
+        return None
+    last_end = -1
+    for i in filled:
+        if offsets[i] < last_end:
+            return None
+        last_end = offsets[i] + views[i].nbytes
+    if any(offset < 0 for offset in offsets) or any(b < a for a, b in itertools.pairwise(offsets)):
+        return None
+    begin, finish = offsets[filled[0]], last_end
+    starts = [offsets[i] for i in filled]
+    cuts: list[tuple[int, int]] = []  # (index of the first piece of the next share, aligned file offset)
+    for j in range(1, parts):
+        target = begin + (finish - begin) * j // parts
+        at = bisect.bisect_left(starts, target)
+        best: tuple[int, int] | None = None
+        for candidate in (at - 1, at):
+            if not 1 <= candidate < len(filled):
+                continue
+            index = filled[candidate]
+            cut = -(-offsets[index] // WRITE_CHUNK) * WRITE_CHUNK
+            if cut >= finish or (cuts and (index <= cuts[-1][0] or cut <= cuts[-1][1])):
+                continue
+            if best is None or abs(cut - target) < abs(best[1] - target):
+                best = (index, cut)
+        if best is None:
+            return None
+        cuts.append(best)
+    bounds = [begin, *(cut for _, cut in cuts), finish]
+    if min(b - a for a, b in itertools.pairwise(bounds)) * (parts + 1) < finish - begin:
+        return None
+    firsts = [0, *(index for index, _ in cuts), len(placed)]
+    items: list[list[_Item]] = []
+    heads: list[list[tuple[int, memoryview]]] = []
+    for j in range(parts):
+        lo, hi = bounds[j] if j else 0, bounds[j + 1] if j + 1 < parts else finish
+        head: list[tuple[int, memoryview]] = []
+        share: list[_Item] = []
+        for i in range(firsts[j], firsts[j + 1]):
+            offset, view = offsets[i], views[i]
+            if offset < lo:  # begins in the window the share before fills: observe that part now
+                head.append((i, view[: lo - offset]))
+                if offset + view.nbytes > lo:
+                    share.append((lo, view[lo - offset :], i, True))
+            else:
+                share.append((offset, view, i, True))
+        for i in range(firsts[j + 1], len(placed)):  # the next share's pieces below the cut: written here
+            offset, view = offsets[i], views[i]
+            if offset >= hi:
+                break
+            if view.nbytes:
+                share.append((offset, view[: hi - offset], None, True))
+        heads.append(head)
+        items.append(share)
+    for j in range(parts - 1):  # zero padding across a cut, as write_placed writes it: split at the cut
+        cut = bounds[j + 1]
+        before = [item for item in items[j] if item[1].nbytes]
+        after = [item for item in items[j + 1] if item[1].nbytes]
+        if not before or not after:
+            continue
+        a, b = before[-1][0] + before[-1][1].nbytes, after[0][0]
+        if 0 < b - a < len(_ZEROS) and a // WRITE_CHUNK != b // WRITE_CHUNK:
+            if a < cut:
+                items[j].append((a, _ZEROS[: cut - a], None, False))
+            if b > cut:
+                items[j + 1].insert(0, (cut, _ZEROS[: b - cut], None, False))
+    return [
+        Share(bounds[j] if j else begin, bounds[j + 1], firsts[j], firsts[j + 1], tuple(heads[j]), tuple(items[j]))
+        for j in range(parts)
+    ]
+
+
+def write_shares(
+    fd: int,
+    shares: Sequence[Share],
+    *,
+    observe: Callable[[int, memoryview], object] | None = None,
+    progress: Callable[[int], object] | None = None,
+) -> None:
+    """Write the shares of :func:`split_placed` in parallel: the first in the calling thread, each other one in a
+    thread of its own (``pwrite`` releases the GIL), with what :func:`write_placed` promises: ``observe(i,
+    chunk)`` sees every chunk of piece ``i`` in order, from the one thread that writes most of it, just before
+    that chunk is written; ``progress(n)`` is told every piece byte exactly once (serialised by a lock).
+
+    If any thread fails, the others stop before their next chunk, and the first error is raised once every
+    thread has stopped.
+
+    Raises:
+        OSError: from the kernel (a full disk, a file size limit); what was written stays written.
+    """
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    report = progress
+    if progress is not None:
+        lock = threading.Lock()
+
+        def report(n: int) -> None:
+            with lock:
+                progress(n)
+
+    def run(share: Share) -> None:
+        try:
+            if observe is not None:
+                for index, view in share.head:
+                    observe(index, view)
+            _write_items(fd, share.items, observe, report, stop)
+        except _Stopped:
+            pass
+        except BaseException as e:  # re-raised in the calling thread
+            failures.append(e)
+            stop.set()
+
+    started: list[threading.Thread] = []
+    try:
+        for n, share in enumerate(shares[1:], 1):
+            worker = threading.Thread(target=run, args=(share,), name=f"zerocopy_pickle-write-{n}", daemon=True)
+            worker.start()
+            started.append(worker)
+        run(shares[0])
+    except BaseException:  # a thread that could not start: stop the others
+        stop.set()
+        raise
+    finally:
+        for worker in started:
+            worker.join()
+    if failures:
+        raise failures[0]
 
 
 def write_pieces_to_file(

@@ -38,7 +38,9 @@ __all__ = [
     "verify_file",
     "verify_signature",
     "verify_stream",
+    "write_buffers",
     "write_checksummed",
+    "writers",
 ]
 
 _DOMAIN = b"zerocopy_pickle snapshot signature v2\0"
@@ -68,30 +70,65 @@ these has the length it will have with the real ones (see :func:`write_checksumm
 
 
 PARALLEL_HASH_MIN_NBYTES = 32 << 20
-"""From this many buffer bytes on, :func:`write_checksummed` hashes in a second thread while it writes, where
-the process may run on two or more CPUs."""
+"""From this many buffer bytes on, :func:`write_checksummed` and :func:`write_buffers` use a second thread
+(where the process may run on two or more CPUs): both write, or one writes while the other hashes."""
+
+MAX_WRITERS = 2
+"""The most threads that write one dump: one per usable CPU up to this (measured on 2 CPUs only)."""
+
+WRITERS_ENV = "ZEROCOPY_PICKLE_DUMP_WRITERS"
+"""The environment variable that caps the writing threads of a dump to a path: unset or ``auto``, one per usable
+CPU (at most :data:`MAX_WRITERS`); ``1``, one writing thread, with a second one hashing beside it for large
+dumps (the writer before both wrote); any other number, at most that many."""
 
 _HASH_SLICE = 8 << 20  # bytes per update in the hashing thread; it checks for a failed write between slices
+
+
+def writers() -> int:
+    """How many threads a large dump to a path writes with (:data:`WRITERS_ENV`, the usable CPUs).
+
+    Raises:
+        ArgumentError: :data:`WRITERS_ENV` is neither ``auto`` nor a positive integer.
+    """
+    value = os.environ.get(WRITERS_ENV, "").strip().lower()
+    cap = MAX_WRITERS
+    if value not in ("", "auto"):
+        try:
+            cap = int(value)
+        except ValueError:
+            cap = 0
+        if cap < 1:
+            raise ArgumentError(f"{WRITERS_ENV} must be 'auto' or a positive integer, not {value!r}")
+    return max(1, min(cap, MAX_WRITERS, _usable_cpus()))
 
 
 def write_checksummed(
     fd: int, placed: Sequence[tuple[int, Any]], *, progress: Callable[[int], object] | None = None
 ) -> tuple[str, ...]:
-    """Write each ``(offset, buffer)`` at its offset of ``fd`` (:func:`arena.write_placed`, which tells
-    ``progress`` what it wrote) and return the buffers' checksums (as :func:`checksum` gives them).
+    """Write each ``(offset, buffer)`` at its offset of ``fd`` (the calls :func:`arena.write_placed` makes, which
+    tell ``progress`` what they wrote) and return the buffers' checksums (as :func:`checksum` gives them).
 
-    Where the process may run on two or more CPUs and the buffers hold at least
-    :data:`PARALLEL_HASH_MIN_NBYTES`, a second thread hashes them while this one writes (xxhash releases the GIL),
-    so the checksums add almost nothing to the dump's wall time: on a 2-CPU machine, hashing in the writing
-    thread made a 2000 MiB dump about a quarter slower. Otherwise each chunk is hashed just before it is written,
-    while it is in the CPU cache. Either way an error from the writes propagates once the hashing thread stopped,
-    and the buffers are only read.
+    Each chunk is hashed just before it is written, while it is in the CPU cache. Where the process may run on
+    two or more CPUs and the buffers hold at least :data:`PARALLEL_HASH_MIN_NBYTES`, two threads share the work
+    (:func:`arena.split_placed`: the file cut at a window boundary between buffers, balancing bytes, each
+    buffer hashed whole by one thread); where the buffers cannot be divided so (one huge buffer), or
+    :data:`WRITERS_ENV` is ``1``, one thread writes while a second one hashes (xxhash releases the GIL). Either
+    way an error from any thread propagates once every thread stopped, and the buffers are only read.
     """
     xxhash = _xxh3()
     hashers = [xxhash.xxh3_64() for _ in placed]
     nbytes = sum(memoryview(b).nbytes for _, b in placed)
+
+    def observe(i: int, chunk: memoryview) -> None:
+        hashers[i].update(chunk)
+
     if nbytes < PARALLEL_HASH_MIN_NBYTES or _usable_cpus() < 2:
-        arena.write_placed(fd, placed, observe=lambda i, chunk: hashers[i].update(chunk), progress=progress)
+        arena.write_placed(fd, placed, observe=observe, progress=progress)
+        return tuple(h.hexdigest() for h in hashers)
+    count = writers()
+    shares = arena.split_placed(placed, count) if count > 1 else None
+    if shares is not None:
+        arena.write_shares(fd, shares, observe=observe, progress=progress)
         return tuple(h.hexdigest() for h in hashers)
 
     stop = threading.Event()
@@ -120,6 +157,20 @@ def write_checksummed(
     if failure:
         raise failure[0]
     return tuple(h.hexdigest() for h in hashers)
+
+
+def write_buffers(
+    fd: int, placed: Sequence[tuple[int, Any]], *, progress: Callable[[int], object] | None = None
+) -> None:
+    """:func:`write_checksummed` without the checksums: in two threads where it would use two."""
+    nbytes = sum(memoryview(b).nbytes for _, b in placed)
+    if nbytes >= PARALLEL_HASH_MIN_NBYTES and _usable_cpus() >= 2:
+        count = writers()
+        shares = arena.split_placed(placed, count) if count > 1 else None
+        if shares is not None:
+            arena.write_shares(fd, shares, progress=progress)
+            return
+    arena.write_placed(fd, placed, progress=progress)
 
 
 def _usable_cpus() -> int:

@@ -208,7 +208,7 @@ class _Prepared:
         nbytes = len(layout.prefix) + self.body.nbytes + sum(view.nbytes for view in self.views)
         with progress.bar(nbytes, desc) as report:
             if not self._pending:  # no checksums to record
-                arena.write_placed(fd, placed, progress=report)
+                integrity.write_buffers(fd, placed, progress=report)
             else:
                 layout = self._encode(integrity.write_checksummed(fd, placed, progress=report))
                 if (layout.data_offset, layout.buffer_offsets) != (
