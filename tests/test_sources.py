@@ -55,7 +55,8 @@ def test_every_source_kind_opens_to_the_same_header_and_bytes(blob: bytes, tmp_p
             assert sources.claimed_nbytes(sources.at_fd(fd)) == len(blob)
     finally:
         os.close(fd)
-    for kind, (view, _, header) in opened.items():
+    for kind, (view, _, header, file) in opened.items():
+        assert file is None, kind  # only keep_file=True keeps one
         assert header == expected, kind
         assert view.nbytes == len(blob) and bytes(view) == blob, kind
 
@@ -121,3 +122,43 @@ def test_a_kind_the_caller_does_not_take_is_refused_with_its_message(blob: bytes
         sources.open_source(str(tmp_path), sources.LOADS, what="loads")
     with pytest.raises(zp.ArgumentError, match=r"^scan\(\) needs a path, a file object or bytes, not int$"):
         sources.open_source(3, sources.INSPECT, what="scan")
+
+
+def test_keep_file_hands_back_an_fd_of_the_mapped_file_only(blob: bytes, tmp_path: Path) -> None:
+    padded = tmp_path / "padded.zcp"
+    padded.write_bytes(b"\0" * mmap.ALLOCATIONGRANULARITY + blob)
+    whole = tmp_path / "w.zcp"
+    whole.write_bytes(blob)
+    own = os.open(whole, os.O_RDONLY)
+    try:
+        with open(padded, "rb") as f:
+            f.seek(mmap.ALLOCATIONGRANULARITY)
+            kept = {
+                "file": sources.open_source(f, sources.LOAD, what="load", keep_file=True).file,
+                "fd": sources.open_source(own, sources.FD, what="Snapshot.load", keep_file=True).file,
+                "path": sources.open_source(whole, sources.LOAD, what="load", keep_file=True).file,
+            }
+        expected = {
+            "file": (os.stat(padded).st_ino, mmap.ALLOCATIONGRANULARITY),
+            "fd": (os.stat(whole).st_ino, 0),
+            "path": (os.stat(whole).st_ino, 0),
+        }
+        for kind, file in kept.items():
+            assert file is not None, kind
+            fd, offset = file
+            assert fd != own and (os.fstat(fd).st_ino, offset) == expected[kind], kind
+            os.close(fd)
+        # Read into private memory, or a buffer: nothing to keep.
+        assert sources.open_source(whole, sources.LOAD, what="load", copy=True, keep_file=True).file is None
+        assert sources.open_source(bytearray(blob), sources.LOADS, what="loads", keep_file=True).file is None
+    finally:
+        os.close(own)
+
+
+def test_keep_file_closes_its_fd_when_the_header_is_bad(tmp_path: Path) -> None:
+    path = tmp_path / "bad.zcp"
+    path.write_bytes(b"\x93ZCP" + b"\xff" * 60)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(zp.SnapshotError):
+        sources.open_source(path, sources.LOAD, what="load", keep_file=True)
+    assert set(os.listdir("/proc/self/fd")) == before

@@ -55,8 +55,21 @@ from .registry import (
 
 if TYPE_CHECKING:
     from .pickler import ZeroCopyPickler, ZeroCopyUnpickler
+    from .readahead import Prefetch
     from .restricted import allow_function
-    from .snapshot import BACKENDS, Snapshot, dump, dumps, freeze, load, loads, read_header, scan
+    from .snapshot import (
+        BACKENDS,
+        Snapshot,
+        dump,
+        dumps,
+        freeze,
+        load,
+        loads,
+        prefetch,
+        prefetches,
+        read_header,
+        scan,
+    )
     from .transfer import to_device
 
 # The library logs under "zerocopy_pickle" (docs/usage.md, "Logging") and leaves where records go to the
@@ -69,8 +82,9 @@ _LAZY = {
     "allow_function": "restricted",
     "ZeroCopyPickler": "pickler",
     "ZeroCopyUnpickler": "pickler",
-    **dict.fromkeys(("BACKENDS", "Snapshot", "dump", "dumps", "freeze", "load", "loads", "read_header", "scan"),
-                    "snapshot"),
+    **dict.fromkeys(("BACKENDS", "Snapshot", "dump", "dumps", "freeze", "load", "loads", "prefetch", "prefetches",
+                     "read_header", "scan"), "snapshot"),
+    "Prefetch": "readahead",
     "to_device": "transfer",
 }  # fmt: skip
 
@@ -97,6 +111,7 @@ __all__ = [
     "MissingGlobalError",
     "PluginError",
     "PluginWarning",
+    "Prefetch",
     "Reducer",
     "Registrar",
     "Registry",
@@ -116,6 +131,8 @@ __all__ = [
     "freeze",
     "load",
     "loads",
+    "prefetch",
+    "prefetches",
     "read_header",
     "reducers",
     "register_reducer",

@@ -29,16 +29,28 @@ from typing import IO, Any, Union
 
 import torch
 
-from . import arena, format, integrity, loadcore, progress, remote, sources
+from . import arena, format, integrity, loadcore, progress, readahead, remote, sources
 from ._version import __version__
-from .device import MapLocation
+from .device import MapLocation, is_cpu, static_target
 from .errors import ArgumentError, DumpError, SnapshotError, Unpicklable, ZeroCopyPickleError
 from .locate import locate_failure
 from .pickler import ZeroCopyPickler, dill_pickler
 from .registry import Registry, default_registry
 from .restricted import AllowSpec, scan_stream
 
-__all__ = ["BACKENDS", "Snapshot", "dump", "dumps", "freeze", "load", "loads", "read_header", "scan"]
+__all__ = [
+    "BACKENDS",
+    "Snapshot",
+    "dump",
+    "dumps",
+    "freeze",
+    "load",
+    "loads",
+    "prefetch",
+    "prefetches",
+    "read_header",
+    "scan",
+]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -469,6 +481,7 @@ def _load_view(
     header: format.Header | None = None,
     source: str = "a buffer",
     level: int = logging.DEBUG,
+    before_buffers: Callable[[], object] | None = None,
 ) -> Any:
     """Unpickle the snapshot that fills ``view`` (writable, aligned); storages become views into it.
 
@@ -482,7 +495,9 @@ def _load_view(
     sealed memfd); otherwise ``verify`` copies every buffer into private memory as it checks it, and the
     storages are views into that copy. ``header``: the header already decoded from ``view`` (by
     :func:`~zerocopy_pickle.sources.open_source`), else it is decoded here. ``source`` and ``level``: how the
-    log record of the load names the snapshot, and at which level it is logged.
+    log record of the load names the snapshot, and at which level it is logged. ``before_buffers``: called once
+    every check passed, just before the buffers are sliced (a prefetch starts there, so that a refused load reads
+    nothing and the checks' own reads, such as plugins' imports, do not queue behind it).
     """
     start = time.perf_counter()
     if header is None:
@@ -495,6 +510,8 @@ def _load_view(
     integrity.verify_stream(header, stream)
 
     def checked_buffers() -> list[memoryview]:
+        if before_buffers is not None:
+            before_buffers()
         if verify and not stable:
             return integrity.copy_verified(header, view)  # later writes to the file cannot reach these
         buffers = [view[start:stop] for start, stop in map(header.buffer_range, range(len(header.buffers)))]
@@ -532,12 +549,15 @@ def load(
     key: bytes | str | None = None,
     registry: Registry | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    prefetch: Prefetching = None,
 ) -> Any:
     """Load a snapshot from a path, a URL or a binary file object.
 
     The file is mapped ``MAP_PRIVATE`` and every storage is a view into that mapping: nothing is copied and
     pages are read when first touched. Writing to a loaded tensor copies only the touched page, privately:
     the file and every other load of it are unchanged. The mapping lives as long as any storage in it.
+    Where the file's pages are not in the page cache yet, background threads read them in while the load and
+    the caller go on (``prefetch``); the tensors stay views of the shared page cache either way.
 
     Args:
         f: a path, or a binary file object positioned at the start of a snapshot. A plain file object
@@ -567,6 +587,13 @@ def load(
         registry: whose plugins the snapshot may need and whose safe globals a restricted load allows; default:
             the process's, ``default_registry()``.
         storage_options: for a URL, the fsspec filesystem's options (credentials, ``endpoint_url``...).
+        prefetch: read the snapshot's data into the page cache ahead of the first touches, from a few background
+            threads, each reading its part of the file sequentially (see :func:`prefetch`). None (default): yes,
+            unless ``ZEROCOPY_PICKLE_PREFETCH=0``; it is skipped where it does not pay (data under 32 MiB, pages
+            already cached, tmpfs, a load to a GPU, which reads the file itself). True: the same, whatever the
+            environment says. ``"wait"``: the same, and return only once the data is in the page cache. False:
+            no prefetch (pages are read as they are first touched). The running prefetches are in
+            :func:`prefetches`; a load that fails cancels its own.
 
     Returns:
         The object graph.
@@ -593,24 +620,140 @@ def load(
         >>> zp.load("state.zcp", map_location=device)["weight"].device.type == device
         True
     """
+    mode = _prefetch_mode(prefetch)
     if remote.is_url(f):
         f = remote.fetch(str(f), storage_options)
     elif isinstance(f, str) and f.startswith("file://"):
         f = f.removeprefix("file://")
-    opened = sources.open_source(f, sources.LOAD, what="load", copy=copy)
-    return _load_view(
-        opened.view,
+    opened = sources.open_source(f, sources.LOAD, what="load", copy=copy, keep_file=True)
+    return _load_opened(
+        opened,
+        mode,
         map_location=map_location,
         trusted=trusted,
         allow=allow,
         verify=verify,
         key=key,
-        stable=opened.stable,
         registry=registry,
-        header=opened.header,
         source=_name(f),
         level=logging.INFO,
     )
+
+
+Prefetching = bool | str | None
+"""``prefetch=`` of :func:`load` and :meth:`Snapshot.load`: None (the default), True, False or ``"wait"``."""
+
+_PREFETCH_OFF = frozenset({"0", "off", "false", "no"})
+
+
+def _prefetch_mode(prefetch: Prefetching) -> str | None:
+    """``"start"``, ``"wait"`` or None (no prefetch) for a ``prefetch=`` argument."""
+    if prefetch is None:
+        setting = os.environ.get("ZEROCOPY_PICKLE_PREFETCH", "").strip().lower()
+        return None if setting in _PREFETCH_OFF else "wait" if setting == "wait" else "start"
+    if prefetch is True:
+        return "start"
+    if prefetch is False:
+        return None
+    if prefetch == "wait":
+        return "wait"
+    raise ArgumentError(f"prefetch must be None, True, False or 'wait', not {prefetch!r:.40}")
+
+
+def _stays_on_cpu(map_location: MapLocation, header: format.Header) -> bool:
+    """Whether a load's storages are built over the mapping (else a bulk transfer reads the file for the device,
+    and reading it into the page cache as well would compete with it)."""
+    if callable(map_location) and not isinstance(map_location, (str, torch.device, Mapping)):
+        return True
+    targets = {static_target(map_location, entry.location) for entry in header.buffers if entry.dtype is not None}
+    return all(target is None or is_cpu(target) for target in targets)
+
+
+def _load_opened(opened: sources.Opened, mode: str | None, *, map_location: MapLocation, source: str,
+                 **kwargs: Any) -> Any:  # fmt: skip
+    """:func:`_load_view` of an opened snapshot, with its prefetch (``mode``), closing its kept fd."""
+    job = None
+
+    def start_prefetch() -> None:
+        nonlocal job
+        if mode is not None and opened.file is not None and _stays_on_cpu(map_location, opened.header):
+            fd, offset = opened.file
+            start = offset + opened.header.data_offset
+            job = readahead.start(fd, start, start + opened.header.data_nbytes, name=source)
+
+    try:
+        result = _load_view(
+            opened.view,
+            map_location=map_location,
+            stable=opened.stable,
+            header=opened.header,
+            source=source,
+            before_buffers=start_prefetch,
+            **kwargs,
+        )
+    except BaseException:
+        if job is not None:
+            job.cancel()  # a failed load leaves nothing running
+        raise
+    finally:
+        if opened.file is not None:
+            os.close(opened.file[0])
+    if job is not None and mode == "wait":
+        job.wait()
+    return result
+
+
+def prefetch(f: PathLike | int, *, wait: bool = False, streams: int | None = None) -> readahead.Prefetch | None:
+    """Read a file (a snapshot, or any other: a checkpoint a library will read) into the page cache from a few
+    background threads, each reading its part sequentially, and return at once.
+
+    Later loads of the file map pages that are already there: a cold start reaches the disk's parallel read rate
+    instead of the one read-ahead window a faulting thread keeps in flight, and nothing is copied into private
+    memory. The reads are sequential per thread, so the page cache keeps the large folios that make every later
+    mapped load fast (scattered reads would leave small pages, and many more page faults, behind). A load of a
+    snapshot does this by itself (:func:`load`'s ``prefetch``); this is for files the program will need soon.
+
+    Args:
+        f: a path or the fd of a regular file (the fd may be closed once this returns).
+        wait: block until the file is read.
+        streams: threads reading at once (default 4, or ``ZEROCOPY_PICKLE_PREFETCH_STREAMS``).
+
+    Returns:
+        The running :class:`Prefetch` (``wait()``, ``cancel()``, ``read``, ``done``), or None where it does not
+        pay: a file under 32 MiB, one whose pages are already cached, tmpfs.
+
+    Raises:
+        OSError: the file cannot be opened.
+
+    Example::
+
+        job = zp.prefetch("model.zcp")  # the disk works while the program starts up
+        ...
+        model = zp.load("model.zcp", trusted=True)
+    """
+    if isinstance(f, int):
+        job = _prefetch_fd(f, f"fd {f}", streams)
+    else:
+        fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            job = _prefetch_fd(fd, os.fspath(f), streams)
+        finally:
+            os.close(fd)
+    if job is not None and wait:
+        job.wait()
+    return job
+
+
+def _prefetch_fd(fd: int, name: str, streams: int | None) -> readahead.Prefetch | None:
+    size = arena.regular_file_size(fd)
+    if size is None:
+        raise ArgumentError(f"prefetch() needs a regular file, not {name}")
+    return readahead.start(fd, 0, size, name=name, streams=streams)
+
+
+def prefetches() -> list[readahead.Prefetch]:
+    """The prefetches of this process still running: loads' own and :func:`prefetch`'s (to wait for or cancel)."""
+    return readahead.running()
 
 
 def loads(
@@ -703,7 +846,7 @@ def scan(f: PathLike | IO[bytes] | bytes | bytearray | memoryview) -> tuple[tupl
         >>> ("torch.nn.modules.linear", "Linear") in zp.scan("linear.zcp")
         True
     """
-    view, _, header = sources.open_source(f, sources.INSPECT, what="scan")
+    view, _, header, _ = sources.open_source(f, sources.INSPECT, what="scan")
     return scan_stream(view[header.stream_offset : header.stream_offset + header.stream_nbytes])
 
 
@@ -867,11 +1010,13 @@ class Snapshot:
         verify: bool = False,
         key: bytes | str | None = None,
         registry: Registry | None = None,
+        prefetch: Prefetching = None,
     ) -> Any:
         """Load a new, independent copy-on-write object graph from this snapshot.
 
         Args:
-            map_location, allow, key, registry: as for :func:`load`.
+            map_location, allow, key, registry, prefetch: as for :func:`load` (a memfd is memory already and is
+                never prefetched; a snapshot file is, where its pages are not cached).
             verify: as for :func:`load`: a sealed memfd is checked in place (zero-copy); a file's buffers
                 are copied into private memory as they are checked.
             trusted: None uses this snapshot's default (True for :func:`freeze`; else False unless ``key``
@@ -888,19 +1033,19 @@ class Snapshot:
                 f"the snapshot file changed size since it was opened ({self.nbytes} -> {size} bytes); "
                 f"somebody rewrote it in place - reopen it"
             )
-        opened = sources.open_source(fd, sources.FD, what="Snapshot.load")
+        mode = _prefetch_mode(prefetch)
+        opened = sources.open_source(fd, sources.FD, what="Snapshot.load", keep_file=True)
         if trusted is None and self._trusted:
             trusted = True
-        return _load_view(
-            opened.view,
+        return _load_opened(
+            opened,
+            mode,
             map_location=map_location,
             trusted=trusted,
             allow=allow,
             verify=verify,
             key=key,
-            stable=opened.stable,
             registry=registry,
-            header=opened.header,
             source=f"snapshot fd {fd}",
         )
 

@@ -96,6 +96,10 @@ class Opened(NamedTuple):
     """Nobody can change the bytes behind :attr:`view` any more (private memory, a sealed memfd)."""
     header: format.Header
     """The header, decoded from :attr:`view`."""
+    file: tuple[int, int] | None = None
+    """With ``keep_file=True``, where a mapped view's bytes live: ``(fd, offset)``, an fd of the mapped file that
+    the caller owns and must close, and the file offset of the snapshot's first byte. None for a snapshot read
+    into private memory or given as a buffer."""
 
 
 Kind = Literal["path", "file", "buffer", "bytes", "fd"]
@@ -114,7 +118,9 @@ INSPECT = Accepts(("path", "bytes", "file"), "a path, a file object or bytes")
 FD = Accepts(("fd",), "a file descriptor")
 
 
-def open_source(source: object, accepts: Accepts, *, what: str, copy: bool | None = False) -> Opened:
+def open_source(
+    source: object, accepts: Accepts, *, what: str, copy: bool | None = False, keep_file: bool = False
+) -> Opened:
     """Open ``source`` as the kinds ``accepts`` names allow, and decode its header.
 
     Args:
@@ -126,17 +132,20 @@ def open_source(source: object, accepts: Accepts, *, what: str, copy: bool | Non
         copy: paths and files: True reads them into private memory instead of mapping them. Buffers: True always
             copies; False never does (and refuses read-only or unaligned data); None copies only when zero-copy
             is impossible.
+        keep_file: for a mapped path, file object or fd, also return an fd of the file (:attr:`Opened.file`), for
+            reading ahead of the load's touches or straight into device staging buffers.
 
     Raises:
         ArgumentError: ``source`` is none of the kinds, or a buffer it cannot use.
         SnapshotError: the snapshot is malformed or truncated.
     """
     for kind in accepts.kinds:
+        file: tuple[int, int] | None = None
         if kind == "path" and isinstance(source, (str, os.PathLike)):
-            memory, stable = _open_path(source, bool(copy))
+            memory, stable, file = _open_path(source, bool(copy), keep_file)
             view = memoryview(memory)
         elif kind == "file" and hasattr(source, "read"):
-            memory, stable = _open_file(source, bool(copy))  # type: ignore[arg-type]
+            memory, stable, file = _open_file(source, bool(copy), keep_file)  # type: ignore[arg-type]
             view = memoryview(memory)
         elif kind == "bytes" and isinstance(source, (bytes, bytearray, memoryview, mmap.mmap)):
             view, stable = memoryview(source).cast("B"), False
@@ -145,9 +154,16 @@ def open_source(source: object, accepts: Accepts, *, what: str, copy: bool | Non
         elif kind == "fd" and isinstance(source, int):
             memory, stable = _open_fd(source)
             view = memoryview(memory)
+            if keep_file:
+                file = (os.dup(source), 0)
         else:
             continue
-        return Opened(view, stable, read_header(at_view(view), view.nbytes))
+        try:
+            return Opened(view, stable, read_header(at_view(view), view.nbytes), file)
+        except BaseException:
+            if file is not None:
+                os.close(file[0])
+            raise
     raise ArgumentError(f"{what}() needs {accepts.needs}, not {type(source).__name__}")
 
 
@@ -245,10 +261,12 @@ def _read_growing(f: BinaryIO, available: int | None) -> mmap.mmap:
     return memory
 
 
-def _open_path(path: PathLike, copy: bool) -> tuple[mmap.mmap, bool]:
+def _open_path(path: PathLike, copy: bool, keep: bool = False) -> tuple[mmap.mmap, bool, tuple[int, int] | None]:
     """The snapshot at ``path``, mapped or read, and whether its bytes can no longer change (read into private
-    memory, or a sealed memfd) rather than a mapping of a file someone could rewrite."""
+    memory, or a sealed memfd) rather than a mapping of a file someone could rewrite; with ``keep``, the fd of a
+    mapped file (the caller's to close) and offset 0."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    kept = False
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
@@ -259,10 +277,13 @@ def _open_path(path: PathLike, copy: bool) -> tuple[mmap.mmap, bool]:
                 memory = _read_copy(raw, size)
                 if raw.read(1):
                     raise SnapshotError(f"trailing bytes after the {len(memory)}-byte snapshot in {path!r}")
-                return memory, True
-        return _map_fd(fd, size), arena.is_immutable(fd)
+                return memory, True, None
+        memory = _map_fd(fd, size)
+        kept = keep
+        return memory, arena.is_immutable(fd), (fd, 0) if keep else None
     finally:
-        os.close(fd)
+        if not kept:
+            os.close(fd)
 
 
 _MAPPABLE_BUFFERED = (io.BufferedReader, io.BufferedRandom)
@@ -285,9 +306,9 @@ def _mappable_fd(f: BinaryIO) -> int | None:
         return None
 
 
-def _open_file(f: BinaryIO, copy: bool) -> tuple[mmap.mmap, bool]:
-    """Map a snapshot at the current position of an open file, or read it when that is not possible; and
-    whether its bytes can no longer change (as for :func:`_open_path`)."""
+def _open_file(f: BinaryIO, copy: bool, keep: bool = False) -> tuple[mmap.mmap, bool, tuple[int, int] | None]:
+    """Map a snapshot at the current position of an open file, or read it when that is not possible; whether
+    its bytes can no longer change, and with ``keep`` where a mapped one lives (as for :func:`_open_path`)."""
     fd = _mappable_fd(f)
     try:
         size = None if fd is None else arena.regular_file_size(fd)
@@ -295,9 +316,9 @@ def _open_file(f: BinaryIO, copy: bool) -> tuple[mmap.mmap, bool]:
     except (OSError, io.UnsupportedOperation):
         size = None
     if size is None or fd is None:
-        return _read_copy(f, None), True
+        return _read_copy(f, None), True, None
     if copy or start % mmap.ALLOCATIONGRANULARITY:
-        return _read_copy(f, max(size - start, 0)), True
+        return _read_copy(f, max(size - start, 0)), True, None
     total = claimed_nbytes(at_fd(fd, start))
     if start + total > size:
         raise SnapshotError(
@@ -305,4 +326,4 @@ def _open_file(f: BinaryIO, copy: bool) -> tuple[mmap.mmap, bool]:
         )
     memory = _map_fd(fd, total, start)
     f.seek(start + total)
-    return memory, arena.is_immutable(fd)
+    return memory, arena.is_immutable(fd), (os.dup(fd), start) if keep else None
