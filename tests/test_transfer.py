@@ -68,7 +68,10 @@ class FakeBackend:
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         self.log.append(("pinned", nbytes))
-        return torch.zeros(nbytes, dtype=torch.uint8)
+        # Page-aligned, as cudaHostAlloc's buffers are (a cold read reads into them with O_DIRECT).
+        block = torch.zeros(nbytes + transfer.PAGE, dtype=torch.uint8)
+        skew = -block.data_ptr() % transfer.PAGE
+        return block[skew : skew + nbytes]
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.log.append(("copy", dst.data_ptr() - self.base_address, src.data_ptr(), dst.numel()))

@@ -82,6 +82,7 @@ def load_stream(
     where: str = "the pickle stream",
     table: str = "the header",
     registry: Registry | None = None,
+    source_file: tuple[int, Sequence[int]] | None = None,
 ) -> Any:
     """Unpickle ``stream`` with its out-of-band ``buffers``: the checks, the plugins' preparation and the
     unpickler every load goes through.
@@ -110,10 +111,15 @@ def load_stream(
             milliseconds per large entry, and a trusted stream can run any code anyway).
         where, table: how errors name the stream and what declared its buffers.
         registry: whose plugins and safe globals (default: the process's).
+        source_file: ``(fd, offsets)``: the file the buffers are views of, and the absolute file offset of each
+            buffer (by buffer index). A transfer to a device may then read the buffers' bytes from the file
+            rather than from the buffers (when they are mostly not in the page cache: docs/devices.md). Only
+            for buffers whose bytes are exactly the file's (not private copies made while verifying them);
+            the fd must stay open during the call, which does not keep it.
 
     Raises:
         SnapshotError: the stream is malformed, consumes another number of buffers, or (restricted) does not
-            rebuild.
+            rebuild; a transfer read from ``source_file`` found the file truncated.
         RestrictedLoadError: a restricted stream names globals the call does not allow.
         DeviceError: a target device does not exist here.
         PluginError: a plugin is missing, disabled or broken, or its load hook failed.
@@ -158,7 +164,7 @@ def load_stream(
     try:
         if locations is not None and tensor_buffers is not None:
             unpickler.admit()  # a restricted stream that would be refused moves nothing to a device
-            _place(placed, buffers, locations, tensor_buffers, map_location)
+            _place(placed, buffers, locations, tensor_buffers, map_location, source_file=source_file)
         return unpickler.load()
     except ZeroCopyPickleError:
         raise
@@ -206,10 +212,12 @@ def _place(
     locations: Sequence[str],
     tensor_buffers: Sequence[bool],
     map_location: MapLocation,
+    *,
+    source_file: tuple[int, Sequence[int]] | None = None,
 ) -> None:
     """Move the tensor buffers bound to bulk-transfer devices there, one transfer per device, and record
     ``id(buffer) -> storage`` in ``placed`` for the unpickler. A callable ``map_location`` decides storage by
-    storage, after it sees each one: nothing is moved ahead."""
+    storage, after it sees each one: nothing is moved ahead. ``source_file``: as for :func:`load_stream`."""
     if callable(map_location):
         return
     groups: dict[torch.device, list[int]] = {}
@@ -222,5 +230,9 @@ def _place(
             groups.setdefault(device, []).append(index)
     for device, indices in groups.items():
         hosts = [rebuild.storage_from_buffer(buffers[index]) for index in indices]
-        for index, storage in zip(indices, transfer.move(hosts, device), strict=True):
+        source = None
+        if source_file is not None:
+            fd, offsets = source_file
+            source = transfer.SourceFile(fd, tuple(offsets[index] for index in indices))
+        for index, storage in zip(indices, transfer.move(hosts, device, source=source), strict=True):
             placed[id(buffers[index])] = storage

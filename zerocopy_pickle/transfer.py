@@ -16,7 +16,11 @@ bound to one device:
     a copy-on-write mapping is not broken) and copied straight from them, then unregistered. When the driver
     refuses (locked-memory limits, a file system that cannot pin) it falls back to ``"staged"``.
 
-  ``"auto"`` is ``"staged"``: see docs/devices.md for the measurements that decide it.
+  ``"auto"`` is ``"staged"``: see docs/devices.md for the measurements that decide it; except for a load
+  from a file (``source=``, a :class:`SourceFile`) whose ranges are mostly not in the page cache, where it
+  is the *cold read*: a few threads read the file itself (``O_DIRECT`` where aligned, buffered ``preadv``
+  otherwise) straight into the same ring of pinned buffers, each copied to the device while the next ones
+  fill, instead of faulting the mapping's pages in through one thread (:func:`plan_reads`, :data:`READERS`).
 * the one host synchronisation is at the end, so a returned storage is ready on every stream.
 
 Everything that decides what happens (the layout, the chunks, the pieces each chunk is filled from, the ranges
@@ -26,11 +30,17 @@ or a fake in the tests, which run on machines without a GPU.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import functools
 import mmap
+import os
+import threading
+import traceback
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -38,7 +48,8 @@ from typing import Any, Protocol
 import torch
 
 from . import device as devices
-from .errors import ArgumentError, DeviceError
+from . import readahead
+from .errors import ArgumentError, DeviceError, SnapshotError
 
 __all__ = [
     "CHUNK_BYTES",
@@ -50,11 +61,15 @@ __all__ = [
     "CudaBackend",
     "Piece",
     "Plan",
+    "Read",
+    "Run",
+    "SourceFile",
     "backend_for",
     "device_of",
     "has_backend",
     "move",
     "plan",
+    "plan_reads",
     "rebuildable",
     "register_ranges",
     "to_device",
@@ -76,6 +91,32 @@ METHODS = ("auto", "staged", "registered", "per-storage")
 """``method=`` values: ``"per-storage"`` is one ``UntypedStorage.copy_`` per storage (the reference)."""
 
 PAGE = mmap.PAGESIZE
+
+DIRECT_ALIGNMENT = 4096
+"""What an ``O_DIRECT`` read's file offset, length and buffer address are aligned to: the largest logical block
+size of common disks (512 or 4096 bytes), so one rule fits them all without asking the device (``statx``'s
+``STATX_DIOALIGN`` is not in Python's ``os``). A file system that wants more refuses with ``EINVAL``, and the
+read falls back to buffered."""
+
+READERS = 4
+"""Threads reading the file in a cold read: each chunk is cut into up to this many contiguous parts (of at least
+:data:`PART_MIN_BYTES`), read in parallel, front first."""
+
+PART_MIN_BYTES = 4 << 20
+"""The smallest part of a chunk one reader reads: smaller parts cost more in calls than they gain."""
+
+COLD_BELOW = 0.5
+"""A transfer with a source file takes the cold read when less than this share of its file ranges is in the
+page cache (``readahead.cached_bytes``); otherwise, and where residency is unknown, it copies from the mapping
+(pages already in memory are copied fastest from there). 0 never reads cold, above 1 always does (benchmarks)."""
+
+GAP_BYTES = 1 << 20
+"""A cold read does not read across a gap between two storages' file ranges larger than this (bytes of other
+buffers, or of storages bound elsewhere): it ends the chunk there and starts the next one after the gap."""
+
+STATS: collections.Counter[str] = collections.Counter()
+"""What the transfers of this process did, for tests and benchmarks: ``"cold"`` and ``"mapped"`` transfers,
+``"direct bytes"`` and ``"buffered bytes"`` read by cold ones."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +211,95 @@ def register_ranges(spans: Sequence[tuple[int, int]], page: int = PAGE) -> list[
     return [(start, stop - start) for start, stop in ranges]
 
 
+@dataclasses.dataclass(frozen=True)
+class SourceFile:
+    """Where the storages of a transfer lie in a file: the open file ``fd`` and, for each storage (in the order
+    given to :func:`move`), the file offset of its first byte (its bytes are the file's
+    ``[offset, offset + nbytes)``). The fd is the caller's: it must stay open during :func:`move`, which
+    reads through it and a direct-I/O description of its own, and keeps neither."""
+
+    fd: int
+    offsets: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """``nbytes`` at ``slot_offset`` of a staging slot, copied to ``offset`` of the device allocation."""
+
+    slot_offset: int
+    offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """One cold read: the file's ``[file_offset, file_offset + nbytes)`` into a slot (``file_offset`` is aligned
+    for direct I/O, so the slot may start with a few bytes before the first storage), then ``runs`` copied from
+    the slot to the device."""
+
+    file_offset: int
+    nbytes: int
+    runs: tuple[Run, ...]
+
+
+def plan_reads(
+    sizes: Sequence[int],
+    file_offsets: Sequence[int],
+    device_offsets: Sequence[int],
+    *,
+    capacity: int,
+    gap: int = GAP_BYTES,
+    alignment: int = DIRECT_ALIGNMENT,
+    device_alignment: int = DEVICE_ALIGNMENT,
+) -> tuple[Read, ...]:
+    """Cut the file ranges of storages (``sizes[i]`` bytes at ``file_offsets[i]``, bound for ``device_offsets[i]``
+    of the allocation :func:`plan` laid out) into reads of at most ``capacity`` bytes, in file order.
+
+    Each read starts at a multiple of ``alignment`` and, rounded up to one, ends within ``capacity``, so a
+    direct read of it fits its slot. It covers the storages' bytes and what lies between them in the file (at
+    most ``gap`` bytes at a time: a larger gap starts a new read). Two storages whose bytes lie as far apart in
+    the file as on the device, with nothing but alignment padding between them on the device, are one run (one
+    copy); others are a run each. A storage larger than what is left of a read continues in the next one.
+
+    Raises:
+        ArgumentError: a capacity that is not a positive multiple of ``alignment``, or mismatched lengths.
+    """
+    if alignment <= 0 or capacity <= 0 or capacity % alignment:
+        raise ArgumentError(f"capacity must be a positive multiple of {alignment}, not {capacity}")
+    if not len(sizes) == len(file_offsets) == len(device_offsets):
+        raise ArgumentError("sizes, file offsets and device offsets must be as many")
+    items = sorted((f, n, d) for f, n, d in zip(file_offsets, sizes, device_offsets, strict=True) if n)
+    reads: list[Read] = []
+    start: int | None = None
+    end = 0
+    runs: list[list[int]] = []  # [slot_offset, offset, nbytes]
+    for file_offset, nbytes, device_offset in items:
+        done = 0
+        while done < nbytes:
+            at = file_offset + done
+            if start is not None and (at >= start + capacity or at - end > gap):
+                reads.append(Read(start, end - start, tuple(Run(*r) for r in runs)))
+                start = None
+            if start is None:
+                start, end, runs = at - at % alignment, at, []
+            take = min(nbytes - done, start + capacity - at)
+            slot, dev = at - start, device_offset + done
+            last = runs[-1] if runs else None
+            if (
+                last is not None
+                and last[1] + last[2] <= dev <= _align(last[1] + last[2], device_alignment)
+                and dev - last[1] == slot - last[0]
+            ):
+                last[2] = dev + take - last[1]
+            else:
+                runs.append([slot, dev, take])
+            end = max(end, at + take)
+            done += take
+    if start is not None:
+        reads.append(Read(start, end - start, tuple(Run(*r) for r in runs)))
+    return tuple(reads)
+
+
 class Backend(Protocol):
     """What a transfer needs from a device: :class:`CudaBackend`, or a fake in the tests."""
 
@@ -182,7 +312,8 @@ class Backend(Protocol):
         """A storage of ``nbytes`` at ``offset`` of ``base`` that keeps ``base`` alive."""
 
     def pinned(self, nbytes: int) -> torch.Tensor:
-        """A 1-D uint8 host tensor in page-locked memory."""
+        """A 1-D uint8 host tensor in page-locked memory, page-aligned (``cudaHostAlloc``'s are; a cold read
+        reads with direct I/O only into an aligned one, and buffered into any other)."""
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Enqueue ``dst.copy_(src)`` (host to device) on the transfer's stream, without waiting for it."""
@@ -325,6 +456,7 @@ def move(
     method: str = "auto",
     backend: Backend | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    source: SourceFile | None = None,
 ) -> list[torch.UntypedStorage]:
     """Copy CPU ``storages`` to ``device``: the same storages, in order, carved out of one allocation there.
 
@@ -334,33 +466,54 @@ def move(
         method: one of :data:`METHODS`.
         backend: the device backend (default: :func:`backend_for`); a device type without one, or
             ``method="per-storage"``, copies storage by storage.
-        chunk_bytes: bytes per staged copy.
+        chunk_bytes: bytes per staged copy (and per cold read, rounded down to :data:`DIRECT_ALIGNMENT`).
+        source: the file the storages' bytes are in (a snapshot's mapping). With ``method="auto"`` and less
+            than :data:`COLD_BELOW` of those ranges in the page cache, the bytes are read from the file
+            (:func:`plan_reads`) instead of copied from the storages; the fd is not kept.
 
     Raises:
-        ArgumentError: an unknown ``method``, or a storage that is not on the CPU.
+        ArgumentError: an unknown ``method``, a storage that is not on the CPU, or a ``source`` with another
+            number of offsets than storages.
         DeviceError: the device's allocation or a copy failed (nothing of this transfer stays allocated).
+        SnapshotError: a cold read found the file shorter than the storages (truncated while it was loaded),
+            or could not read it (nothing of this transfer stays allocated).
     """
     if method not in METHODS:
         raise ArgumentError(f"method must be one of {', '.join(map(repr, METHODS))}, not {method!r:.40}")
     for storage in storages:
         if storage.device.type != "cpu":
             raise ArgumentError(f"a transfer moves CPU storages, not one on {storage.device}")
+    if source is not None and len(source.offsets) != len(storages):
+        raise ArgumentError(f"the source file gives {len(source.offsets)} offsets for {len(storages)} storages")
     if backend is None and method != "per-storage":
         backend = backend_for(device)
     if backend is None or method == "per-storage" or not storages:
         return [_copy_one(storage, device) for storage in storages]
     layout = plan([storage.nbytes() for storage in storages], chunk_bytes=chunk_bytes)
+    base: torch.Tensor | None = None
     try:
         base = backend.allocate(layout.total) if layout.total else None
         if base is not None:
-            if method == "registered" and _registered(backend, storages, layout, base):
-                pass
+            if method == "auto" and source is not None and _mostly_cold(source, layout.sizes):
+                STATS["cold"] += 1
+                _cold(backend, source, layout, base, chunk_bytes)
+            elif method == "registered" and _registered(backend, storages, layout, base):
+                STATS["mapped"] += 1
             else:
+                STATS["mapped"] += 1
                 _staged(backend, storages, layout, base, chunk_bytes)
-    except torch.OutOfMemoryError as e:
-        raise DeviceError(f"cannot allocate {layout.total} bytes on {device} for {len(storages)} storages: {e}") from e
-    except RuntimeError as e:
-        raise DeviceError(f"the transfer of {layout.total} bytes to {device} failed: {e}") from e
+    except BaseException as e:
+        # Nothing of the transfer may outlive the failure: not through this frame, nor through the frames of
+        # the traceback, which the caller may keep (their locals hold the allocation and the pinned slots).
+        base = None
+        traceback.clear_frames(e.__traceback__)
+        if isinstance(e, torch.OutOfMemoryError):
+            raise DeviceError(
+                f"cannot allocate {layout.total} bytes on {device} for {len(storages)} storages: {e}"
+            ) from e
+        if isinstance(e, RuntimeError) and not isinstance(e, DeviceError):
+            raise DeviceError(f"the transfer of {layout.total} bytes to {device} failed: {e}") from e
+        raise
     moved = []
     for storage, offset in zip(storages, layout.offsets, strict=True):
         nbytes = storage.nbytes()
@@ -424,6 +577,173 @@ def _registered(backend: Backend, storages: Sequence[torch.UntypedStorage], layo
                 backend.finish()
         for address in done:
             backend.unregister(address)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cold reads: from the file, not the mapping
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _file_spans(source: SourceFile, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """The storages' file ranges, merged where they are at most :data:`GAP_BYTES` apart."""
+    spans: list[list[int]] = []
+    for start, nbytes in sorted((o, n) for o, n in zip(source.offsets, sizes, strict=True) if n):
+        if spans and start - spans[-1][1] <= GAP_BYTES:
+            spans[-1][1] = max(spans[-1][1], start + nbytes)
+        else:
+            spans.append([start, start + nbytes])
+    return [(a, b) for a, b in spans]
+
+
+def _mostly_cold(source: SourceFile, sizes: Sequence[int]) -> bool:
+    """Whether less than :data:`COLD_BELOW` of the storages' file ranges is in the page cache (False where
+    that cannot be told: the mapping is the safe default)."""
+    total = cached = 0
+    for start, stop in _file_spans(source, sizes):
+        got = readahead.cached_bytes(source.fd, start, stop)
+        if got is None:
+            return False
+        total += stop - start
+        cached += got
+    return cached < total * COLD_BELOW
+
+
+def _open_direct(fd: int) -> int | None:
+    """A new open file description of ``fd``'s file with ``O_DIRECT``; None where the file system refuses it
+    (``EINVAL``: tmpfs on older kernels, some FUSE and network file systems) or ``/proc`` is not mounted."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | flag)
+    except OSError:
+        return None
+
+
+def _preadv(fd: int, view: memoryview, offset: int) -> int:
+    """One read into ``view`` (the tests spy on it)."""
+    return os.preadv(fd, [view], offset)
+
+
+class _Reader:
+    """What the reader threads of one cold read share: the fds, whether direct reads still work, counters."""
+
+    def __init__(self, fd: int, direct_fd: int | None) -> None:
+        self.fd = fd
+        self.direct_fd = direct_fd
+        self.lock = threading.Lock()
+        self.read = {True: 0, False: 0}
+
+    def part(self, address: int, file_offset: int, need: int, want: int, direct: bool) -> None:
+        """Fill ``need`` bytes at host ``address`` with the file's bytes from ``file_offset``; a direct read
+        asks for ``want`` (``need`` rounded up to :data:`DIRECT_ALIGNMENT`: the slot has room for it)."""
+        view = memoryview((ctypes.c_char * want).from_address(address)).cast("B")
+        direct = direct and self.direct_fd is not None and not (address | file_offset | want) % DIRECT_ALIGNMENT
+        got = 0
+        while got < need:
+            fd = self.direct_fd if direct and self.direct_fd is not None else self.fd
+            try:
+                n = _preadv(fd, view[got : want if direct else need], file_offset + got)
+            except OSError as e:
+                if direct and e.errno == errno.EINVAL:
+                    direct = False  # refused here (an alignment this file system does not take): buffered
+                    continue
+                raise SnapshotError(
+                    f"cannot read {need - got} bytes at offset {file_offset + got} of the snapshot file: {e}"
+                ) from e
+            if n == 0:
+                break
+            with self.lock:
+                self.read[direct] += n
+            got += n
+            if direct and n % DIRECT_ALIGNMENT:
+                direct = False  # only at the end of the file; what follows (nothing, normally) is read buffered
+        if got < need:
+            raise SnapshotError(
+                f"the snapshot file ends {need - got} bytes short of the storages at offset {file_offset + got}: "
+                f"it was truncated while it was loaded (nothing of the transfer was kept)"
+            )
+
+
+def _parts(read: Read, slot_bytes: int) -> list[tuple[int, int, int]]:
+    """``(slot_offset, need, want)`` of the contiguous parts :data:`READERS` threads read of ``read``."""
+    count = max(1, min(READERS, read.nbytes // PART_MIN_BYTES))
+    step = _align(-(-read.nbytes // count), DIRECT_ALIGNMENT)
+    parts = []
+    for start in range(0, read.nbytes, step):
+        need = min(step, read.nbytes - start)
+        parts.append((start, need, min(_align(need, DIRECT_ALIGNMENT), slot_bytes - start)))
+    return parts
+
+
+def _land(
+    backend: Backend,
+    base: torch.Tensor,
+    read: Read,
+    staging: torch.Tensor,
+    parts: list[concurrent.futures.Future[None]],
+) -> Any:
+    """Once every part of ``read`` is in ``staging``, enqueue its runs' copies; the event that marks them."""
+    for part in parts:
+        part.result()  # a failed or short read raises here, before anything of it is copied
+    for run in read.runs:
+        backend.copy(
+            base[run.offset : run.offset + run.nbytes], staging[run.slot_offset : run.slot_offset + run.nbytes]
+        )
+    return backend.record()
+
+
+def _cold(backend: Backend, source: SourceFile, layout: Plan, base: torch.Tensor, chunk_bytes: int) -> None:
+    """The transfer from the file: reads of :func:`plan_reads` by :data:`READERS` threads into a ring of
+    :data:`SLOTS` pinned slots; each slot, once read, copied to the device in its runs; a slot refilled only
+    after the wait for its last copy's event. Every thread and fd it started is gone when it returns or
+    raises."""
+    capacity = max(DIRECT_ALIGNMENT, chunk_bytes - chunk_bytes % DIRECT_ALIGNMENT)
+    reads = plan_reads(layout.sizes, source.offsets, layout.offsets, capacity=capacity)
+    slot_bytes = min(capacity, max(_align(read.nbytes, DIRECT_ALIGNMENT) for read in reads))
+    count = min(SLOTS, len(reads))
+    direct_fd = _open_direct(source.fd)
+    reader = _Reader(source.fd, direct_fd)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="zerocopy-pickle-read")
+    futures: list[concurrent.futures.Future[None]] = []
+    in_flight: collections.deque[tuple[Read, int, list[concurrent.futures.Future[None]]]] = collections.deque()
+    finished = False
+    try:
+        slots = [backend.pinned(slot_bytes) for _ in range(count)]
+        events: list[Any] = [None] * count
+        for number, read in enumerate(reads):
+            slot = number % count
+            if len(in_flight) == count:
+                done, done_slot, parts = in_flight.popleft()  # the oldest read, in this very slot
+                events[done_slot] = _land(backend, base, done, slots[done_slot], parts)
+            if events[slot] is not None:
+                backend.wait(events[slot])  # its last copy must be done before it is overwritten
+                events[slot] = None
+            address = slots[slot].data_ptr()
+            cached = readahead.cached_bytes(source.fd, read.file_offset, read.file_offset + read.nbytes)
+            direct = cached is not None and cached < read.nbytes * COLD_BELOW  # resident: copy from the cache
+            parts = [
+                pool.submit(reader.part, address + at, read.file_offset + at, need, want, direct)
+                for at, need, want in _parts(read, slot_bytes)
+            ]
+            futures.extend(parts)
+            in_flight.append((read, slot, parts))
+        while in_flight:
+            done, done_slot, parts = in_flight.popleft()
+            events[done_slot] = _land(backend, base, done, slots[done_slot], parts)
+        backend.finish()
+        finished = True
+    finally:
+        for future in futures:
+            future.cancel()
+        pool.shutdown(wait=True)  # no thread writes into a slot once this returns
+        if not finished:  # a failure: the copies already enqueued end before their slots are released
+            with contextlib.suppress(Exception):
+                backend.finish()
+        if direct_fd is not None:
+            os.close(direct_fd)
+        STATS["direct bytes"] += reader.read[True]
+        STATS["buffered bytes"] += reader.read[False]
 
 
 def device_of(target: str | torch.device) -> torch.device:
