@@ -21,7 +21,7 @@ PUBLIC = {
     "PluginError", "PluginWarning", "Reducer", "Registrar", "register_reducer", "unregister_reducer", "reducers",
     "Registry", "default_registry",
     "BACKENDS", "read_header", "IntegrityError", "Unpicklable", "MissingGlobalError",
-    "UnsafeArgumentError", "allow_function", "to_device", "__version__",
+    "UnsafeArgumentError", "allow_function", "to_device", "__version__", "prefetch", "prefetches", "Prefetch",
 }  # fmt: skip
 
 

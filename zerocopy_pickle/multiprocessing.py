@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .errors import ArgumentError, ZeroCopyPickleError
-from .snapshot import Snapshot, freeze
+from .snapshot import Snapshot, freeze, prefetch
 
 __all__ = ["Shared", "register", "registered", "unregister"]
 
@@ -113,7 +113,9 @@ class Shared:
     def from_snapshot(cls, snapshot: Snapshot, *, trusted: bool | None = None) -> Shared:
         """Share a snapshot that already exists, without copying it: one from :func:`zerocopy_pickle.freeze`,
         or a snapshot file (:meth:`Snapshot.open`; its receivers then map the file's page-cache pages). The fd
-        is duplicated: ``snapshot`` stays the caller's to close.
+        is duplicated: ``snapshot`` stays the caller's to close. A file whose pages are not in the page cache is
+        read into it from here, in background threads (:func:`zerocopy_pickle.prefetch`), while the workers start:
+        their loads then find the pages there instead of each faulting them in from the disk.
 
         Receivers load every ``Shared`` trusted (pickle runs code), so the snapshot must be one this process
         trusts: ``trusted=None`` takes the snapshot's own default (True for :func:`~zerocopy_pickle.freeze`,
@@ -132,6 +134,8 @@ class Shared:
             )
         self = cls.__new__(cls)
         self._snapshot = Snapshot.from_fd(fd, trusted=True)
+        if not snapshot.sealed:
+            prefetch(self._snapshot.fd)
         return self
 
     @property

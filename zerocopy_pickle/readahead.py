@@ -47,6 +47,7 @@ import itertools
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 import weakref
@@ -198,7 +199,7 @@ def start(
     ``min_nbytes``: skip a range smaller than this.
     """
     nbytes = stop_offset - start_offset
-    if nbytes < max(min_nbytes, 1) or _on_memory_file_system(fd):
+    if nbytes < max(min_nbytes, 1) or not _regular(fd) or _on_memory_file_system(fd):
         return None
     stop_offset = start_offset + min(nbytes, _memory_budget())
     nbytes = stop_offset - start_offset
@@ -232,6 +233,13 @@ def start(
             job._stream_ended(OSError(errno.EAGAIN, str(e)))
     log.debug("prefetch of %s: %d bytes in %d stream(s)", name, nbytes, len(parts))
     return job
+
+
+def _regular(fd: int) -> bool:
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        return False
 
 
 def _streams() -> int:

@@ -45,7 +45,7 @@ from typing import Any
 from .. import arena
 from .._version import __version__
 from ..loadcore import argument
-from . import entries
+from . import checkpoints, entries
 from .isolation import WORKDIR_ENV, child_environment
 from .messages import MAX_FILE_CHECKS, Call, EntryReply, Failure, FileCheck, Get, JobResult, Miss, Ping, Put
 from .protocol import REQUEST, CacheError, ProtocolError, receive, runtime_dir, send, socket_path
@@ -55,6 +55,7 @@ __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_resu
 TIMEOUT_ENV = "ZEROCOPY_PICKLE_CACHE_TIMEOUT"
 PREFAULT_ENV = "ZEROCOPY_PICKLE_CACHE_PREFAULT"
 FILL_ENV = "ZEROCOPY_PICKLE_CACHE_FILL"
+PREFETCH_ENV = "ZEROCOPY_PICKLE_PREFETCH"  # =0: no prefetch of the checkpoints a miss reads (as for loads)
 FILL_WAIT = 60.0
 """Seconds the background thread waits for a server that is starting before it gives up on filing a result."""
 HIT_TIMEOUT = 30.0
@@ -750,7 +751,13 @@ def cached_call(
             return original(*args, **kwargs)
         if isinstance(result, Miss):  # load it here, as without the cache; the server gets it afterwards
             log.info("cache miss: %s (loading it here, then filing it)", request["get"].describe)
-            value = original(*args, **request["kwargs"])
+            # The checkpoints the call will read come in from the disk in parallel streams while the library
+            # imports and builds its modules (cold, a plain call reads them through one faulting thread).
+            reading = checkpoints.start(_checkpoints_of(request))
+            try:
+                value = original(*args, **request["kwargs"])
+            finally:
+                checkpoints.stop(reading)
             _file(request, value, args, kwargs, files=result.files)
             return value
         log.info("cache hit: %s", request["get"].describe)
@@ -758,6 +765,15 @@ def cached_call(
         return result
     finally:
         _state.depth = 0
+
+
+def _checkpoints_of(request: dict[str, Any]) -> list[str]:
+    """The checkpoint files among those the request's key was computed from that the call will likely read."""
+    if os.environ.get(PREFETCH_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return []
+    variant = request["kwargs"].get("variant")
+    checks: list[FileCheck] = request["get"].files
+    return checkpoints.likely_read(((c.path, c.size) for c in checks), variant if isinstance(variant, str) else None)
 
 
 def _file(request: dict[str, Any], value: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, files: bool) -> None:
