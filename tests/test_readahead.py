@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
+from tests.test_transfer_cold import delta, fake_cuda, stats  # noqa: F401 (fake_cuda: a fixture)
 from zerocopy_pickle import readahead
 from zerocopy_pickle.errors import ArgumentError, RestrictedLoadError
 
@@ -446,3 +447,17 @@ def test_a_fork_child_sees_its_parents_prefetches_as_ended(tmp_path: Path, monke
     release.set()
     assert os.waitstatus_to_exitcode(status) == 0
     assert job.wait(timeout=120) and not job.cancelled
+
+
+def test_a_load_to_a_device_reads_the_cold_file_itself_and_prefetches_nothing(
+    snapshot: tuple[Path, dict[str, torch.Tensor]], fake_cuda: list[object]
+) -> None:
+    path, sd = snapshot
+    start, stop = data_range(path)
+    before = stats()
+    loaded = zp.load(path, map_location="cuda:0")
+    assert delta(before, "cold") == 1 and len(fake_cuda) == 1  # read from the file into the staging ring
+    assert zp.prefetches() == []
+    assert cached(path, start, stop) < 8 * MIB  # O_DIRECT: the page cache was not filled on the way
+    for name, tensor in sd.items():
+        assert torch.equal(loaded[name], tensor)

@@ -482,6 +482,7 @@ def _load_view(
     source: str = "a buffer",
     level: int = logging.DEBUG,
     before_buffers: Callable[[], object] | None = None,
+    file: tuple[int, int] | None = None,
 ) -> Any:
     """Unpickle the snapshot that fills ``view`` (writable, aligned); storages become views into it.
 
@@ -497,7 +498,9 @@ def _load_view(
     :func:`~zerocopy_pickle.sources.open_source`), else it is decoded here. ``source`` and ``level``: how the
     log record of the load names the snapshot, and at which level it is logged. ``before_buffers``: called once
     every check passed, just before the buffers are sliced (a prefetch starts there, so that a refused load reads
-    nothing and the checks' own reads, such as plugins' imports, do not queue behind it).
+    nothing and the checks' own reads, such as plugins' imports, do not queue behind it). ``file``: ``(fd, offset)``
+    of the file ``view`` maps (offset: of the snapshot's first byte), for a bulk transfer to a device that reads
+    the file itself where its pages are not cached; it is not used when ``verify`` copied the buffers.
     """
     start = time.perf_counter()
     if header is None:
@@ -531,11 +534,17 @@ def _load_view(
         tensor_buffers=[entry.dtype is not None for entry in header.buffers],
         where=f"the pickle stream (offset {header.stream_offset})",
         registry=registry,
+        source_file=None if file is None or (verify and not stable) else _buffer_offsets(header, *file),
     )
     log.log(level, "loaded %s: %d bytes, %d buffers, %s%s, %.3f s", source, header.total_nbytes,
             len(header.buffers), "trusted" if trusted else "restricted", ", verified" if verify else "",
             time.perf_counter() - start)  # fmt: skip
     return result
+
+
+def _buffer_offsets(header: format.Header, fd: int, offset: int) -> tuple[int, list[int]]:
+    """``(fd, the absolute file offset of each buffer)``, as :func:`loadcore.load_stream`'s ``source_file``."""
+    return fd, [offset + header.buffer_range(index)[0] for index in range(len(header.buffers))]
 
 
 def load(
@@ -689,6 +698,7 @@ def _load_opened(opened: sources.Opened, mode: str | None, *, map_location: MapL
             header=opened.header,
             source=source,
             before_buffers=start_prefetch,
+            file=opened.file,
             **kwargs,
         )
     except BaseException:
