@@ -450,7 +450,8 @@ def test_a_fork_child_sees_its_parents_prefetches_as_ended(tmp_path: Path, monke
 
 
 def test_a_load_to_a_device_reads_the_cold_file_itself_and_prefetches_nothing(
-    snapshot: tuple[Path, dict[str, torch.Tensor]], fake_cuda: list[object]
+    snapshot: tuple[Path, dict[str, torch.Tensor]],
+    fake_cuda: list[object],  # noqa: F811 (the fixture imported above)
 ) -> None:
     path, sd = snapshot
     start, stop = data_range(path)
