@@ -11,9 +11,13 @@ from __future__ import annotations
 import gc
 import io
 import itertools
+import os
 import random
+import tempfile
 import types
 import weakref
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy
@@ -23,10 +27,10 @@ from torch import nn
 
 import zerocopy_pickle as zp
 from zerocopy_pickle import device as devices
-from zerocopy_pickle import transfer
+from zerocopy_pickle import readahead, transfer
 from zerocopy_pickle.transfer import Plan, plan, register_ranges
 
-from .conftest import header_of
+from .conftest import REPO, header_of
 
 
 class HostView:
@@ -109,6 +113,98 @@ class FakeBackend:
 
     def calls(self, name: str) -> list[tuple[Any, ...]]:
         return [entry for entry in self.log if entry[0] == name]
+
+
+# Files whose pages are not in the page cache, for cold reads (tests/test_transfer_cold.py and, on a GPU,
+# tests/test_transfer_cuda.py; kept here, where nothing needs hypothesis, which a GPU machine may lack).
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _evicts(folder: Path) -> bool:
+    probe = folder / "probe"
+    probe.write_bytes(os.urandom(1 << 16))
+    evict(probe)
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        return readahead.cached_bytes(fd, 0, 1 << 16) == 0
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+def cold_folder() -> Iterator[Path]:
+    """A folder on a file system whose clean pages can be evicted (not tmpfs), for a fixture to yield from: a
+    temporary folder, or one in the checkout when that is in memory."""
+    for parent in (None, REPO):
+        with tempfile.TemporaryDirectory(prefix="zcp-cold-", dir=parent) as folder:
+            if _evicts(Path(folder)):
+                yield Path(folder)
+                return
+    pytest.skip("no file system here whose pages can be evicted from the page cache")
+
+
+class Layout:
+    """Storages laid out in a file: ``offsets[i]`` is where storage ``i`` (``sizes[i]`` bytes) starts."""
+
+    def __init__(self, path: Path, gaps_and_sizes: list[tuple[int, int]], seed: int = 0) -> None:
+        rng = random.Random(seed)
+        blob = bytearray()
+        self.offsets: list[int] = []
+        self.sizes: list[int] = []
+        for gap, size in gaps_and_sizes:
+            blob += rng.randbytes(gap)
+            self.offsets.append(len(blob))
+            self.sizes.append(size)
+            blob += rng.randbytes(size)
+        blob += rng.randbytes(rng.randrange(0, 100))
+        self.blob = bytes(blob)
+        self.path = path
+        path.write_bytes(self.blob)
+        evict(path)
+
+    def expected(self) -> list[bytes]:
+        return [self.blob[o : o + n] for o, n in zip(self.offsets, self.sizes, strict=True)]
+
+    def storages(self) -> list[torch.UntypedStorage]:
+        """CPU storages of the same bytes (as the mapping's views would be; copies, so the file stays cold)."""
+        return [
+            torch.frombuffer(bytearray(b) or bytearray(1), dtype=torch.uint8)[: len(b)].clone().untyped_storage()
+            for b in self.expected()
+        ]
+
+    def move(self, fake: FakeBackend, chunk_bytes: int = 1 << 20, **kwargs: Any) -> list[torch.UntypedStorage]:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            return transfer.move(
+                self.storages(), torch.device("cuda:0"), backend=fake, chunk_bytes=chunk_bytes,
+                source=transfer.SourceFile(fd, tuple(self.offsets)), **kwargs,
+            )  # fmt: skip
+        finally:
+            os.close(fd)
+
+
+def raw(storage: torch.UntypedStorage) -> bytes:
+    """A storage's bytes (``bytes(storage)`` iterates byte by byte)."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
+
+
+def direct_io_works(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        direct = transfer._open_direct(fd)
+        if direct is not None:
+            os.close(direct)
+        return direct is not None
+    finally:
+        os.close(fd)
 
 
 def random_storages(rng: random.Random, count: int, largest: int) -> list[torch.UntypedStorage]:

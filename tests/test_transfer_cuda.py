@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import gc
 import io
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +21,16 @@ from torch import nn
 import zerocopy_pickle as zp
 from zerocopy_pickle import transfer
 
+from .test_transfer import Layout, cold_folder, direct_io_works, evict, raw
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 ALLOW = [nn.Sequential, nn.Linear, nn.LayerNorm, nn.Embedding]
+
+
+@pytest.fixture(scope="module")
+def disk() -> Iterator[Path]:
+    yield from cold_folder()
 
 
 def model() -> nn.Sequential:
@@ -121,4 +131,51 @@ def test_to_device_from_a_frozen_snapshot_frees_on_release() -> None:
     zp.to_device(loaded, "cuda")
     assert loaded["unet"][1].weight.device.type == "cuda" and loaded["config"] == {"steps": 20}
     del loaded
+    assert allocated() == before
+
+
+def test_a_cold_file_is_read_into_pinned_slots_and_arrives_bit_for_bit(disk: Path) -> None:
+    layout = Layout(disk / "cold", [(0, 1), (63, 513), (4096, 5 << 20), (0, 0), (7, 77), (100, 3 << 20)])
+    before = dict(transfer.STATS)
+    fd = os.open(layout.path, os.O_RDONLY)
+    try:
+        moved = transfer.move(
+            layout.storages(), torch.device("cuda", 0), chunk_bytes=1 << 20,
+            source=transfer.SourceFile(fd, tuple(layout.offsets)),
+        )  # fmt: skip
+    finally:
+        os.close(fd)
+    assert transfer.STATS["cold"] == before.get("cold", 0) + 1
+    if direct_io_works(layout.path):
+        assert transfer.STATS["direct bytes"] > before.get("direct bytes", 0), "pinned memory takes O_DIRECT"
+    assert [m.device.type for m in moved] == ["cuda"] * 6
+    assert [raw(m.cpu()) for m in moved] == layout.expected()
+    assert all(m.data_ptr() % transfer.DEVICE_ALIGNMENT == 0 for m in moved if m.nbytes())
+
+
+def test_a_cold_snapshot_loads_to_cuda_from_the_file(disk: Path) -> None:
+    state = {f"w{i}": torch.randn(256, 257) for i in range(12)} | {"b": torch.arange(5.0)}
+    path = disk / "cold.zcp"
+    zp.dump(state, path)
+    evict(path)
+    cold = transfer.STATS["cold"]
+    loaded = zp.load(path, map_location="cuda:0")
+    assert transfer.STATS["cold"] == cold + 1, "the snapshot passed its file to the transfer"
+    for name, tensor in state.items():
+        assert loaded[name].device.type == "cuda" and torch.equal(loaded[name].cpu(), tensor), name
+
+
+def test_a_cold_file_truncated_under_the_load_frees_its_device_memory(disk: Path) -> None:
+    layout = Layout(disk / "short", [(0, 1 << 20), (0, 2 << 20)])
+    os.truncate(layout.path, 1 << 20)
+    before = allocated()
+    fd = os.open(layout.path, os.O_RDONLY)
+    try:
+        with pytest.raises(zp.SnapshotError, match="truncated"):
+            transfer.move(
+                layout.storages(), torch.device("cuda", 0), chunk_bytes=1 << 20,
+                source=transfer.SourceFile(fd, tuple(layout.offsets)),
+            )  # fmt: skip
+    finally:
+        os.close(fd)
     assert allocated() == before

@@ -645,8 +645,10 @@ class _Reader:
             try:
                 n = _preadv(fd, view[got : want if direct else need], file_offset + got)
             except OSError as e:
-                if direct and e.errno == errno.EINVAL:
-                    direct = False  # refused here (an alignment this file system does not take): buffered
+                if direct and e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.EFAULT):
+                    # Refused here: an alignment this file system does not take, or memory it cannot read
+                    # into directly. Buffered reads take anything (and report a real fault again).
+                    direct = False
                     continue
                 raise SnapshotError(
                     f"cannot read {need - got} bytes at offset {file_offset + got} of the snapshot file: {e}"
