@@ -110,6 +110,10 @@ COLD_BELOW = 0.5
 page cache (``readahead.cached_bytes``); otherwise, and where residency is unknown, it copies from the mapping
 (pages already in memory are copied fastest from there). 0 never reads cold, above 1 always does (benchmarks)."""
 
+DIRECT_BELOW = 0.5
+"""Within a cold read, a chunk is read with direct I/O when less than this share of it is in the page cache, and
+buffered (copied from the cache, no disk read) otherwise: a partly cached file reads only what is missing."""
+
 GAP_BYTES = 1 << 20
 """A cold read does not read across a gap between two storages' file ranges larger than this (bytes of other
 buffers, or of storages bound elsewhere): it ends the chunk there and starts the next one after the gap."""
@@ -723,7 +727,7 @@ def _cold(backend: Backend, source: SourceFile, layout: Plan, base: torch.Tensor
                 events[slot] = None
             address = slots[slot].data_ptr()
             cached = readahead.cached_bytes(source.fd, read.file_offset, read.file_offset + read.nbytes)
-            direct = cached is not None and cached < read.nbytes * COLD_BELOW  # resident: copy from the cache
+            direct = cached is not None and cached < read.nbytes * DIRECT_BELOW  # else: copy from the cache
             parts = [
                 pool.submit(reader.part, address + at, read.file_offset + at, need, want, direct)
                 for at, need, want in _parts(read, slot_bytes)
