@@ -4,6 +4,8 @@ Run it from the repository root (``make bench`` runs it after benchmarks/snapsho
 
     .venv/bin/python benchmarks/dump.py                     # 2000 MiB state dict and a 256 MiB model, 5 repeats
     .venv/bin/python benchmarks/dump.py --mib 200 --model-mb 32 --repeat 3    # a quick check
+    sudo .venv/bin/python benchmarks/dump.py --repeat 11 --drop-caches --skip write-loop --json out.json
+                                                            # the runs of docs/benchmark.md (issue 24)
 
 Workloads (the same tensors for every method):
 
@@ -16,7 +18,11 @@ Methods, each writing a new file in a directory on the file system of ``--dir``:
 
 * ``zp``: ``zerocopy_pickle.dump(state, path)``, checksums on (the default): atomic (unnamed temporary file,
   renamed into place when complete).
-* ``zp-nock``: the same with ``checksums=False``.
+* ``zp-1w``: the same with one writing thread (``ZEROCOPY_PICKLE_DUMP_WRITERS=1``: a second thread only hashes,
+  the writer before issue 24), so before and after are interleaved in one run.
+* ``zp-ftruncate``: ``zp`` with the file sized by ``ftruncate`` instead of ``arena.preallocate``'s
+  ``fallocate``.
+* ``zp-nock``: ``zp`` with ``checksums=False``.
 * ``safetensors``: ``safetensors.torch.save_file(state, path)`` (0.8 writes a named temporary file, sized with
   ``ftruncate``, one ``write`` per tensor, then renames it).
 * ``write-loop``: ``open(path, "wb")`` and one ``f.write`` per tensor's bytes (no header, not atomic): what a naive
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import platform
 import resource
@@ -44,10 +51,12 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import zerocopy_pickle as zp
+from zerocopy_pickle import arena, integrity
 from zerocopy_pickle.demo import build_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,8 +100,25 @@ def methods(state: dict[str, torch.Tensor]) -> dict[str, Callable[[str], object]
             for b in buffers:
                 f.write(b)
 
+    def one_writer(path: str) -> None:
+        os.environ[integrity.WRITERS_ENV] = "1"
+        try:
+            zp.dump(state, path)
+        finally:
+            del os.environ[integrity.WRITERS_ENV]
+
+    def ftruncate(path: str) -> None:
+        preallocate = arena.preallocate
+        setattr(arena, "preallocate", os.ftruncate)  # noqa: B010 (mypy: another signature's name)
+        try:
+            zp.dump(state, path)
+        finally:
+            setattr(arena, "preallocate", preallocate)  # noqa: B010
+
     return {
         "zp": lambda path: zp.dump(state, path),
+        "zp-1w": one_writer,
+        "zp-ftruncate": ftruncate,
         "zp-nock": lambda path: zp.dump(state, path, checksums=False),
         "safetensors": lambda path: save_file(state, path),
         "write-loop": write_loop,
@@ -170,6 +196,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--skip", default="", help="methods to leave out, comma-separated (zp, zp-nock, ...)")
     p.add_argument("--dir", default=str(REPO / "benchmarks" / "out"), help="where the files are written")
+    p.add_argument("--json", help="also write every sample (wall and CPU seconds per method) to this file")
     p.add_argument(
         "--drop-caches",
         action="store_true",
@@ -189,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{os.cpu_count()} CPUs, kernel {platform.release()}, files in {directory}; medians of {args.repeat}"
         + ("; page cache dropped before every dump" if args.drop_caches else "")
     )
+    results: dict[str, Any] = {"load_average": os.getloadavg(), "cpus": len(os.sched_getaffinity(0)), "workloads": {}}
     try:
         workloads = []
         if args.mib > 0:
@@ -200,9 +228,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             nbytes = sum(t.nbytes for t in state.values())
             workloads.append((f"model state dict: {len(state)} tensors, {nbytes / MiB:.0f} MiB", state))
         for title, state in workloads:
-            report(title, bench(state, directory, args.repeat, skip, args.drop_caches))
+            samples = bench(state, directory, args.repeat, skip, args.drop_caches)
+            report(title, samples)
+            results["workloads"][title] = samples
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    if args.json:
+        results["load_average_after"] = os.getloadavg()
+        Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 
 
