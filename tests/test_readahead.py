@@ -16,21 +16,12 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
+from tests.test_transfer import evict
 from tests.test_transfer_cold import delta, fake_cuda, stats  # noqa: F401 (fake_cuda: a fixture)
 from zerocopy_pickle import readahead
 from zerocopy_pickle.errors import ArgumentError, RestrictedLoadError
 
 MIB = 1 << 20
-
-
-def evict(path: Path) -> None:
-    """Drop ``path``'s pages from the page cache (written back first, so that the kernel can drop them)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def cached(path: Path, start: int = 0, stop: int | None = None) -> int:
@@ -68,6 +59,24 @@ def snapshot(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 def data_range(path: Path) -> tuple[int, int]:
     header = zp.read_header(path)
     return header.data_offset, header.data_offset + header.data_nbytes
+
+
+def in_prefetch() -> bool:
+    return threading.current_thread().name.startswith("zerocopy_pickle-prefetch")
+
+
+def hold_reads(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make every prefetch read wait until the returned event is set (other reads go on)."""
+    release = threading.Event()
+    real = os.preadv
+
+    def held(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if in_prefetch():
+            release.wait()
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", held)
+    return release
 
 
 def open_fds() -> set[str]:
@@ -159,28 +168,15 @@ def test_a_prefetched_file_touches_with_as_few_faults_as_after_one_sequential_re
     assert prefetched <= 1.5 * sequential + 64, (prefetched, sequential, scattered)
 
 
-def test_sendfile_refused_falls_back_to_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-
-    def refuse(*args: object) -> int:
-        calls.append(args)
-        raise OSError(errno.EINVAL, "no splice here")
-
-    monkeypatch.setattr(os, "sendfile", refuse)
-    path = write_file(tmp_path / "f.bin", 64 * MIB)
-    evict(path)
-    job = zp.prefetch(path, streams=1, wait=True)
-    assert job is not None and job.error is None
-    assert calls, "sendfile was not tried"
-    assert job.read == 64 * MIB
-    assert cached(path) == 64 * MIB
-
-
 def test_an_io_error_ends_the_prefetch_and_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def fail(*args: object) -> int:
-        raise OSError(errno.EIO, "Input/output error")
+    real = os.preadv
 
-    monkeypatch.setattr(os, "sendfile", fail)
+    def fail(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if in_prefetch():
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", fail)
     path = write_file(tmp_path / "f.bin", 64 * MIB)
     evict(path)
     job = zp.prefetch(path, wait=True)
@@ -192,14 +188,15 @@ def test_an_io_error_ends_the_prefetch_and_is_kept(tmp_path: Path, monkeypatch: 
 def test_cancel_stops_every_stream_after_its_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     entered = threading.Semaphore(0)
     release = threading.Event()
-    real = os.sendfile
+    real = os.preadv
 
-    def held(out: int, fd: int, offset: int, count: int) -> int:
-        entered.release()
-        release.wait()
-        return real(out, fd, offset, count)
+    def held(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if in_prefetch():
+            entered.release()
+            release.wait()
+        return real(fd, buffers, offset)
 
-    monkeypatch.setattr(os, "sendfile", held)
+    monkeypatch.setattr(os, "preadv", held)
     path = write_file(tmp_path / "f.bin", 256 * MIB)
     evict(path)
     job = zp.prefetch(path, streams=2)
@@ -210,7 +207,7 @@ def test_cancel_stops_every_stream_after_its_chunk(tmp_path: Path, monkeypatch: 
     release.set()
     assert job.wait(timeout=60)
     assert job.cancelled
-    assert job.read <= 2 * readahead.CHUNK  # one chunk per stream, then they stopped
+    assert job.read <= 2 * readahead.READ_NBYTES  # one read per stream, then they stopped
     assert job not in zp.prefetches()
 
 
@@ -290,14 +287,7 @@ def test_a_load_returns_before_its_prefetch_ends(
     snapshot: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, sd = snapshot
-    release = threading.Event()
-    real = os.sendfile
-
-    def held(out: int, fd: int, offset: int, count: int) -> int:
-        release.wait()
-        return real(out, fd, offset, count)
-
-    monkeypatch.setattr(os, "sendfile", held)
+    release = hold_reads(monkeypatch)
     loaded = zp.load(path)  # the default starts a prefetch and does not wait for it
     (job,) = zp.prefetches()
     assert not job.done
@@ -367,13 +357,13 @@ def test_a_refused_load_cancels_its_prefetch(tmp_path: Path) -> None:
     finally:
         readahead_start.undo()
     # The refusal comes from the unpickler's admission, once the buffers are sliced: the prefetch started there
-    # is cancelled by the failed load and reads at most one chunk per stream.
+    # is cancelled by the failed load and reads at most one read's worth per stream.
     for job in started:
         if job is not None:
             assert job.cancelled
             assert job.wait(timeout=60)
-            assert job.read <= job.streams * readahead.CHUNK
-    assert cached(path, start, stop) < 8 * MIB + len(started) * 4 * readahead.CHUNK
+            assert job.read <= job.streams * readahead.READ_NBYTES
+    assert cached(path, start, stop) < 8 * MIB + len(started) * 4 * readahead.READ_NBYTES
 
 
 def test_the_loaded_tensors_stay_views_of_the_shared_page_cache(snapshot: tuple[Path, dict[str, torch.Tensor]]) -> None:
@@ -427,14 +417,7 @@ def test_a_file_object_load_prefetches_from_its_position(tmp_path: Path) -> None
 
 
 def test_a_fork_child_sees_its_parents_prefetches_as_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    release = threading.Event()
-    real = os.sendfile
-
-    def held(out: int, fd: int, offset: int, count: int) -> int:
-        release.wait()
-        return real(out, fd, offset, count)
-
-    monkeypatch.setattr(os, "sendfile", held)
+    release = hold_reads(monkeypatch)
     path = write_file(tmp_path / "f.bin", 64 * MIB)
     evict(path)
     job = zp.prefetch(path)

@@ -141,6 +141,11 @@ def load_stream(
     # Plugins' load hooks run only once trust is decided, and only for trusted loads.
     plugins = list(plugins)
     registry.prepare_load(plugins, trusted=trusted)
+    if not trusted:
+        # The restricted unpickler's safe globals need every plugin discovered (importing their registration
+        # modules). Done before the buffers are asked for: a snapshot starts its prefetch there, and imports
+        # from a cold disk would otherwise queue behind its reads.
+        registry.ensure_discovered()
     if callable(buffers):
         buffers = buffers()
     placed: dict[int, torch.UntypedStorage] = {}  # filled below, once the stream is admitted
