@@ -301,6 +301,12 @@ def test_the_writers_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     for value, expected in [("", integrity.MAX_WRITERS), ("auto", integrity.MAX_WRITERS), ("1", 1), ("2", 2)]:
         monkeypatch.setenv(integrity.WRITERS_ENV, value)
         assert integrity.writers() == expected
+    # Large dumps write with one thread unless the setting says otherwise (docs/benchmark.md measured why).
+    big = integrity.PARALLEL_WRITE_MAX_NBYTES + 1
+    for value, expected in [("", 1), ("auto", 1), ("1", 1), ("2", 2)]:
+        monkeypatch.setenv(integrity.WRITERS_ENV, value)
+        assert integrity.writers(big) == expected
+        assert integrity.writers(integrity.PARALLEL_WRITE_MAX_NBYTES) == (1 if value == "1" else 2)
     monkeypatch.setattr(integrity, "_usable_cpus", lambda: 1)
     monkeypatch.setenv(integrity.WRITERS_ENV, "2")
     assert integrity.writers() == 1

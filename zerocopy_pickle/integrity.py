@@ -76,6 +76,12 @@ PARALLEL_HASH_MIN_NBYTES = 32 << 20
 MAX_WRITERS = 2
 """The most threads that write one dump: one per usable CPU up to this (measured on 2 CPUs only)."""
 
+PARALLEL_WRITE_MAX_NBYTES = 1 << 30
+"""Above this many buffer bytes, ``auto`` writes with one thread (a second one hashing beside it). Measured on
+the development VM (docs/benchmark.md, "Two writing threads"), interleaved in the same runs: two writers dump a
+274 MiB model state dict in 0.67-0.72 of ``save_file``'s time against 0.85-0.93 for one, but a 2000 MiB state
+dict in 1.90-3.02 against 1.08-1.16 (most of its samples hit the VM's slow fresh pages; one writer fewer)."""
+
 WRITERS_ENV = "ZEROCOPY_PICKLE_DUMP_WRITERS"
 """The environment variable that caps the writing threads of a dump to a path: unset or ``auto``, one per usable
 CPU (at most :data:`MAX_WRITERS`); ``1``, one writing thread, with a second one hashing beside it for large
@@ -84,14 +90,15 @@ dumps (the writer before both wrote); any other number, at most that many."""
 _HASH_SLICE = 8 << 20  # bytes per update in the hashing thread; it checks for a failed write between slices
 
 
-def writers() -> int:
-    """How many threads a large dump to a path writes with (:data:`WRITERS_ENV`, the usable CPUs).
+def writers(nbytes: int = 0) -> int:
+    """How many threads a dump to a path of ``nbytes`` buffer bytes writes with (:data:`WRITERS_ENV`, the usable
+    CPUs; ``auto`` writes with one above :data:`PARALLEL_WRITE_MAX_NBYTES`).
 
     Raises:
         ArgumentError: :data:`WRITERS_ENV` is neither ``auto`` nor a positive integer.
     """
     value = os.environ.get(WRITERS_ENV, "").strip().lower()
-    cap = MAX_WRITERS
+    cap = MAX_WRITERS if nbytes <= PARALLEL_WRITE_MAX_NBYTES else 1
     if value not in ("", "auto"):
         try:
             cap = int(value)
@@ -125,7 +132,7 @@ def write_checksummed(
     if nbytes < PARALLEL_HASH_MIN_NBYTES or _usable_cpus() < 2:
         arena.write_placed(fd, placed, observe=observe, progress=progress)
         return tuple(h.hexdigest() for h in hashers)
-    count = writers()
+    count = writers(nbytes)
     shares = arena.split_placed(placed, count) if count > 1 else None
     if shares is not None:
         arena.write_shares(fd, shares, observe=observe, progress=progress)
@@ -165,7 +172,7 @@ def write_buffers(
     """:func:`write_checksummed` without the checksums: in two threads where it would use two."""
     nbytes = sum(memoryview(b).nbytes for _, b in placed)
     if nbytes >= PARALLEL_HASH_MIN_NBYTES and _usable_cpus() >= 2:
-        count = writers()
+        count = writers(nbytes)
         shares = arena.split_placed(placed, count) if count > 1 else None
         if shares is not None:
             arena.write_shares(fd, shares, progress=progress)
