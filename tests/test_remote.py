@@ -306,3 +306,22 @@ def test_fsspecs_local_filesystem_goes_through_the_cache(tmp_path: Path, remote_
     assert (tmp_path / "m.zcp").is_file()
     assert equal(zp.load(url), state())
     assert cached_files(remote_dir) == [".json", ".lock", ".zcp"]
+
+
+def test_a_download_leaves_the_large_folios_a_sequential_read_leaves(server: Server, remote_dir: Path) -> None:
+    # What the download writes stays in the page cache for the load that maps it: written in order, window by
+    # window, it is in large folios (a later mapped load faults once per folio), as after a plain sequential read.
+    from tests.test_readahead import touch_faults
+    from tests.test_transfer import evict
+
+    big = {f"w{i}": torch.randn(1 << 20) for i in range(24)}  # 96 MiB
+    zp.dump(big, server.root / "big.zcp")
+    zp.load(server.url("big.zcp"), prefetch=False)
+    (cached,) = remote_dir.glob("*.zcp")
+    downloaded = touch_faults(cached)
+    evict(cached)
+    with open(cached, "rb") as f:
+        while f.read(8 << 20):
+            pass
+    sequential = touch_faults(cached)
+    assert downloaded <= 1.5 * sequential + 64, (downloaded, sequential)
