@@ -151,3 +151,28 @@ def test_a_warm_start_opens_nothing_that_is_not_a_regular_file(tmp_path: Path, m
         assert all(not started for _, _, _, name, started in spy.calls if name == segment.name)
     finally:
         again.close()
+
+
+def test_a_hit_prefetches_its_cold_checkpoint_files_and_never_a_memfd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        block = os.urandom(MIB)
+        for _ in range(64):
+            f.write(block)
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    memfd = sealed_segment(b"x" * (64 * MIB))
+    fd = os.open(path, os.O_RDONLY)
+    spy = Spy(monkeypatch)
+    try:
+        memfd_identity = (os.fstat(memfd).st_dev, os.fstat(memfd).st_ino)
+        client._prefetch_file(memfd)
+        client._prefetch_file(fd)
+    finally:
+        os.close(fd)
+        os.close(memfd)
+    started = {identity: began for identity, _, _, _, began in spy.calls}
+    assert started[(path.stat().st_dev, path.stat().st_ino)] is True
+    assert started.get(memfd_identity, False) is False

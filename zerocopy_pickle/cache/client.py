@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import arena
+from .. import arena, readahead
 from .._version import __version__
 from ..loadcore import argument
 from . import checkpoints, entries
@@ -767,6 +767,13 @@ def cached_call(
         _state.depth = 0
 
 
+def _prefetch_file(fd: int) -> None:
+    """Read a hit's checkpoint file into the page cache in the background where it is not there (memfds are
+    memory, and files already cached are left alone: :func:`readahead.start` checks)."""
+    with contextlib.suppress(OSError):
+        readahead.start(fd, 0, os.fstat(fd).st_size, name=f"a cache entry's file (fd {fd})")
+
+
 def _checkpoints_of(request: dict[str, Any]) -> list[str]:
     """The checkpoint files among those the request's key was computed from that the call will likely read."""
     if os.environ.get(PREFETCH_ENV, "").strip().lower() in ("0", "off", "false", "no"):
@@ -815,6 +822,9 @@ def _fetch(
     try:
         reply = EntryReply.decode(header, len(fds))
         mappings = entries.map_segments(reply.segments, fds)
+        if os.environ.get(PREFETCH_ENV, "").strip().lower() not in ("0", "off", "false", "no"):
+            for fd in fds:  # checkpoint files no longer in the page cache come in from parallel streams
+                _prefetch_file(fd)
     finally:
         for fd in fds:
             os.close(fd)
