@@ -4,6 +4,7 @@ start from the persistence directory prefetches the persisted segments and the a
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,9 @@ def test_small_checkpoints_are_not_prefetched() -> None:
     assert checkpoints.likely_read([("/m/model.safetensors", BIG - 1)]) == []
 
 
-def test_a_miss_prefetches_what_its_key_was_computed_from(tmp_path: Path) -> None:
+def test_a_miss_prefetches_what_its_key_was_computed_from_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = tmp_path / "model"
     sized(folder / "model.fp16.safetensors", BIG)
     sized(folder / "model.safetensors", BIG)
@@ -70,16 +73,11 @@ def test_a_miss_prefetches_what_its_key_was_computed_from(tmp_path: Path) -> Non
     (folder / "config.json").write_text("{}")
     point = "torch.serialization:load"
     request = client.describe(point, None, (str(folder),), {})
+    assert client._checkpoints_of(request) == []  # off by default (docs/benchmark.md measured why)
+    monkeypatch.setenv(client.MISS_PREFETCH_ENV, "1")
     assert client._checkpoints_of(request) == [str(folder / "model.safetensors")]
     request = client.describe(point, None, (str(folder),), {"variant": "fp16"})
     assert client._checkpoints_of(request) == [str(folder / "model.fp16.safetensors")]
-
-
-def test_the_environment_switch_turns_the_miss_prefetch_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    sized(tmp_path / "m" / "model.safetensors", BIG)
-    request = client.describe("torch.serialization:load", None, (str(tmp_path / "m"),), {})
-    monkeypatch.setenv("ZEROCOPY_PICKLE_PREFETCH", "0")
-    assert client._checkpoints_of(request) == []
 
 
 def test_start_reads_cold_files_and_stop_cancels_what_still_runs(tmp_path: Path) -> None:
@@ -90,11 +88,45 @@ def test_start_reads_cold_files_and_stop_cancels_what_still_runs(tmp_path: Path)
             f.write(block)
         os.fsync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    jobs = checkpoints.start([str(path), str(tmp_path / "missing.safetensors")])
-    assert len(jobs) == 1  # a file that is gone is no error: the call itself will say
-    assert jobs[0].wait(timeout=120) and jobs[0].read == 64 * MIB
-    checkpoints.stop(jobs)
-    assert jobs[0].done
+    reading = checkpoints.start([str(tmp_path / "missing.safetensors"), str(path)])
+    assert reading.wait(timeout=120)
+    assert len(reading.jobs) == 1  # a file that is gone is no error: the call itself will say
+    assert reading.jobs[0].done and reading.jobs[0].read == 64 * MIB
+    checkpoints.stop(reading)
+
+
+def test_files_are_read_one_after_another_and_stop_ends_the_chain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = []
+    for name in ("a", "b", "c"):
+        path = tmp_path / f"{name}.safetensors"
+        with open(path, "wb") as f:
+            f.write(os.urandom(BIG))
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        paths.append(str(path))
+    started: list[str] = []
+    first = threading.Event()
+    release = threading.Event()
+    real = readahead.start
+
+    def spy(fd: int, start: int, stop: int, **kwargs: Any) -> readahead.Prefetch | None:
+        assert all(job.done for job in reading.jobs), "a file started before the one before it ended"
+        started.append(kwargs["name"])
+        if len(started) == 2:
+            first.set()
+            release.wait()
+        return real(fd, start, stop, **kwargs)
+
+    monkeypatch.setattr(readahead, "start", spy)
+    reading = checkpoints.start(paths)
+    assert first.wait(timeout=120)  # the second file is about to start
+    checkpoints.stop(reading)
+    release.set()
+    assert reading.wait(timeout=120)
+    assert started == paths[:2]  # the third never started
+    assert all(job.done for job in reading.jobs)
 
 
 class Spy:

@@ -86,7 +86,9 @@ environment:
   ZEROCOPY_PICKLE_DISABLE_PLUGINS  comma-separated plugin names not to load
   ZEROCOPY_PICKLE_PROGRESS   0/off: no progress bars; unset/auto: a bar on a terminal (convert, dumps)
   ZEROCOPY_PICKLE_PROGRESS_MIN  the smallest operation that gets a bar (default 256M)
-  ZEROCOPY_PICKLE_PREFETCH   0/off: loads and cache misses read no data ahead; wait: loads wait for it
+  ZEROCOPY_PICKLE_PREFETCH   0/off: loads and cache hits read no data ahead; wait: loads wait for it
+  ZEROCOPY_PICKLE_CACHE_MISS_PREFETCH  1: a cache miss prefetches the checkpoints it will read
+  ZEROCOPY_PICKLE_DUMP_WRITERS  1: dumps write with one thread; auto (default): two up to 1 GiB
   ZEROCOPY_PICKLE_PREFETCH_STREAMS  threads per prefetch (default 4)
   CXX                        the C++ compiler `native --build` uses (default c++)"""
 

@@ -55,7 +55,11 @@ __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_resu
 TIMEOUT_ENV = "ZEROCOPY_PICKLE_CACHE_TIMEOUT"
 PREFAULT_ENV = "ZEROCOPY_PICKLE_CACHE_PREFAULT"
 FILL_ENV = "ZEROCOPY_PICKLE_CACHE_FILL"
-PREFETCH_ENV = "ZEROCOPY_PICKLE_PREFETCH"  # =0: no prefetch of the checkpoints a miss reads (as for loads)
+PREFETCH_ENV = "ZEROCOPY_PICKLE_PREFETCH"  # =0: no prefetch of a hit's cold checkpoint files (as for loads)
+MISS_PREFETCH_ENV = "ZEROCOPY_PICKLE_CACHE_MISS_PREFETCH"
+"""=1: a miss prefetches the checkpoint files its call will likely read. Off by default: on the development VM a
+cold miss of the seed scenario took 1.39x the plain cold call with it (files one after another; 1.60x all at
+once), and about 1.1x without it (docs/benchmark.md, "Cold starts")."""
 FILL_WAIT = 60.0
 """Seconds the background thread waits for a server that is starting before it gives up on filing a result."""
 HIT_TIMEOUT = 30.0
@@ -751,8 +755,8 @@ def cached_call(
             return original(*args, **kwargs)
         if isinstance(result, Miss):  # load it here, as without the cache; the server gets it afterwards
             log.info("cache miss: %s (loading it here, then filing it)", request["get"].describe)
-            # The checkpoints the call will read come in from the disk in parallel streams while the library
-            # imports and builds its modules (cold, a plain call reads them through one faulting thread).
+            # With MISS_PREFETCH_ENV, the checkpoints the call will read come in from the disk while the library
+            # imports and builds its modules (measured slower than without on the development VM: off by default).
             reading = checkpoints.start(_checkpoints_of(request))
             try:
                 value = original(*args, **request["kwargs"])
@@ -775,8 +779,9 @@ def _prefetch_file(fd: int) -> None:
 
 
 def _checkpoints_of(request: dict[str, Any]) -> list[str]:
-    """The checkpoint files among those the request's key was computed from that the call will likely read."""
-    if os.environ.get(PREFETCH_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+    """The checkpoint files among those the request's key was computed from that the call will likely read, when
+    :data:`MISS_PREFETCH_ENV` asks for their prefetch."""
+    if os.environ.get(MISS_PREFETCH_ENV, "").strip().lower() not in ("1", "on", "true", "yes"):
         return []
     variant = request["kwargs"].get("variant")
     checks: list[FileCheck] = request["get"].files
