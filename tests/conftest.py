@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from zerocopy_pickle import format as fmt
+from zerocopy_pickle import readahead
 from zerocopy_pickle.plugin import default_registry
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,6 +27,16 @@ REPO = Path(__file__).resolve().parent.parent
 # can provide (a CUDA device, running as root) stay skips.
 STRICT_SKIPS = os.environ.get("ZEROCOPY_PICKLE_STRICT_SKIPS") == "1"
 ALLOWED_SKIP_REASONS = ("CUDA", "needs root")
+
+
+@pytest.fixture(autouse=True)
+def _no_prefetch_outlives_its_test() -> Iterator[None]:
+    """Loads of large snapshots start background prefetches that a test need not wait for: end them with the test,
+    so that no thread of one test is still reading (and freeing objects) while the next one runs."""
+    yield
+    for job in readahead.running():
+        job.cancel()
+        job.wait(timeout=60)
 
 
 def _fail_strict_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
