@@ -177,6 +177,22 @@ class Prefetch:
         )
 
 
+SWITCH_ENV = "ZEROCOPY_PICKLE_PREFETCH"
+"""``0``/``off``/``false``/``no``: loads and cache hits read nothing ahead; ``wait``: loads wait for their
+prefetch; anything else (or unset): prefetch where it pays."""
+
+
+def switch() -> str:
+    """:data:`SWITCH_ENV` as ``"off"``, ``"wait"`` or ``"on"``."""
+    value = os.environ.get(SWITCH_ENV, "").strip().lower()
+    return "off" if value in ("0", "off", "false", "no") else "wait" if value == "wait" else "on"
+
+
+def start_file(fd: int, *, name: str, streams: int | None = None) -> Prefetch | None:
+    """:func:`start` over the whole of the file ``fd`` (its size now)."""
+    return start(fd, 0, os.fstat(fd).st_size, name=name, streams=streams)
+
+
 def running() -> list[Prefetch]:
     """The prefetches of this process that are still reading."""
     with _process.lock:

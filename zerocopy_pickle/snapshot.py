@@ -652,14 +652,11 @@ def load(
 Prefetching = bool | str | None
 """``prefetch=`` of :func:`load` and :meth:`Snapshot.load`: None (the default), True, False or ``"wait"``."""
 
-_PREFETCH_OFF = frozenset({"0", "off", "false", "no"})
-
 
 def _prefetch_mode(prefetch: Prefetching) -> str | None:
     """``"start"``, ``"wait"`` or None (no prefetch) for a ``prefetch=`` argument."""
     if prefetch is None:
-        setting = os.environ.get("ZEROCOPY_PICKLE_PREFETCH", "").strip().lower()
-        return None if setting in _PREFETCH_OFF else "wait" if setting == "wait" else "start"
+        return {"off": None, "wait": "wait", "on": "start"}[readahead.switch()]
     if prefetch is True:
         return "start"
     if prefetch is False:
@@ -671,9 +668,8 @@ def _prefetch_mode(prefetch: Prefetching) -> str | None:
 
 def _stays_on_cpu(map_location: MapLocation, header: format.Header) -> bool:
     """Whether a load's storages are built over the mapping (else a bulk transfer reads the file for the device,
-    and reading it into the page cache as well would compete with it)."""
-    if callable(map_location) and not isinstance(map_location, (str, torch.device, Mapping)):
-        return True
+    and reading it into the page cache as well would compete with it). A callable decides storage by storage on
+    the CPU storages: ``static_target`` is None for it."""
     targets = {static_target(map_location, entry.location) for entry in header.buffers if entry.dtype is not None}
     return all(target is None or is_cpu(target) for target in targets)
 
@@ -755,10 +751,9 @@ def prefetch(f: PathLike | int, *, wait: bool = False, streams: int | None = Non
 
 
 def _prefetch_fd(fd: int, name: str, streams: int | None) -> readahead.Prefetch | None:
-    size = arena.regular_file_size(fd)
-    if size is None:
+    if arena.regular_file_size(fd) is None:
         raise ArgumentError(f"prefetch() needs a regular file, not {name}")
-    return readahead.start(fd, 0, size, name=name, streams=streams)
+    return readahead.start_file(fd, name=name, streams=streams)
 
 
 def prefetches() -> list[readahead.Prefetch]:

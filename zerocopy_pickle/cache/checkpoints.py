@@ -93,7 +93,7 @@ def _start_one(path: str) -> readahead.Prefetch | None:
     except OSError:
         return None
     try:
-        return readahead.start(fd, 0, os.fstat(fd).st_size, name=path)
+        return readahead.start_file(fd, name=path)
     except OSError:
         return None
     finally:

@@ -55,7 +55,6 @@ __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_resu
 TIMEOUT_ENV = "ZEROCOPY_PICKLE_CACHE_TIMEOUT"
 PREFAULT_ENV = "ZEROCOPY_PICKLE_CACHE_PREFAULT"
 FILL_ENV = "ZEROCOPY_PICKLE_CACHE_FILL"
-PREFETCH_ENV = "ZEROCOPY_PICKLE_PREFETCH"  # =0: no prefetch of a hit's cold checkpoint files (as for loads)
 MISS_PREFETCH_ENV = "ZEROCOPY_PICKLE_CACHE_MISS_PREFETCH"
 """=1: a miss prefetches the checkpoint files its call will likely read. Off by default: on the development VM a
 cold miss of the seed scenario took 1.39x the plain cold call with it (files one after another; 1.60x all at
@@ -775,7 +774,7 @@ def _prefetch_file(fd: int) -> None:
     """Read a hit's checkpoint file into the page cache in the background where it is not there (memfds are
     memory, and files already cached are left alone: :func:`readahead.start` checks)."""
     with contextlib.suppress(OSError):
-        readahead.start(fd, 0, os.fstat(fd).st_size, name=f"a cache entry's file (fd {fd})")
+        readahead.start_file(fd, name=f"a cache entry's file (fd {fd})")
 
 
 def _checkpoints_of(request: dict[str, Any]) -> list[str]:
@@ -827,7 +826,7 @@ def _fetch(
     try:
         reply = EntryReply.decode(header, len(fds))
         mappings = entries.map_segments(reply.segments, fds)
-        if os.environ.get(PREFETCH_ENV, "").strip().lower() not in ("0", "off", "false", "no"):
+        if readahead.switch() != "off":  # ZEROCOPY_PICKLE_PREFETCH=0: as for loads
             for fd in fds:  # checkpoint files no longer in the page cache come in from parallel streams
                 _prefetch_file(fd)
     finally:

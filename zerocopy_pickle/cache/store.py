@@ -596,8 +596,7 @@ class Store:
             except (OSError, KeyError, TypeError, ValueError):
                 continue
             try:
-                size = os.fstat(fd).st_size
-                job = readahead.start(fd, 0, size, name=name)
+                job = readahead.start_file(fd, name=name)
             except OSError:
                 continue
             finally:
