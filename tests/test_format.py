@@ -384,3 +384,217 @@ def test_corrupted_header_raises_only_snapshot_error(data: st.DataObject) -> Non
     except zp.SnapshotError:
         return
     assert torch.equal(loaded["a"], torch.arange(6.0))
+
+
+# --- limits on what a header holds (issue 25) -----------------------------------------------------------------
+
+
+def with_field(key: str, value: object) -> bytes:
+    """A real snapshot whose JSON header's ``key`` is ``value`` (neither the CRC nor the checksums cover it)."""
+    _, header, rest = split(snapshot_bytes())
+    header[key] = value
+    return rebuild(header, rest)
+
+
+def test_producer_entries_at_the_limit_load_and_one_more_is_refused() -> None:
+    producer = {f"k{i}": "1.0" for i in range(fmt.MAX_PRODUCER_ENTRIES)}
+    data = with_field("producer", producer)
+    assert decode(data).producer == producer
+    assert zp.loads(data)["c"] == [1, "x"]
+    producer["one-more"] = "1.0"
+    with pytest.raises(
+        zp.SnapshotError, match=rf"'producer' .*more entries than the format's {fmt.MAX_PRODUCER_ENTRIES}"
+    ):
+        decode(with_field("producer", producer))
+
+
+def test_a_producer_of_a_million_entries_is_refused_before_it_is_built() -> None:
+    raw = b"{" + b",".join(b'"%x":""' % i for i in range(1_000_000)) + b"}"
+    with pytest.raises(zp.SnapshotError, match=r"'producer' is <an object of 1000000 members>, more entries"):
+        decode(with_raw_field("producer", raw))
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "ok"),
+    [
+        ("n" * fmt.MAX_PRODUCER_NAME, "v" * fmt.MAX_PRODUCER_VALUE, True),
+        ("n" * (fmt.MAX_PRODUCER_NAME + 1), "v", False),
+        ("n", "v" * (fmt.MAX_PRODUCER_VALUE + 1), False),
+        ("n", 2, False),
+        ("n", ["v"], False),
+    ],
+)
+def test_producer_names_and_versions_are_bounded(name: str, value: object, ok: bool) -> None:
+    data = with_field("producer", {name: value})
+    if ok:
+        assert decode(data).producer == {name: value}
+        return
+    with pytest.raises(zp.SnapshotError, match="header 'producer' must map names of at most 64 characters"):
+        decode(data)
+
+
+def test_plugins_at_the_limit_decode_and_one_more_is_refused() -> None:
+    plugins = [{"name": f"p{i}", "package": "pkg"} for i in range(fmt.MAX_PLUGINS)]
+    header = decode(with_field("plugins", plugins))
+    assert header.plugins == tuple(fmt.PluginRef(f"p{i}", "pkg") for i in range(fmt.MAX_PLUGINS))
+    plugins.append({"name": "one-more", "package": "pkg"})
+    with pytest.raises(
+        zp.SnapshotError, match=rf"'plugins' lists {fmt.MAX_PLUGINS + 1} plugins, more than .* {fmt.MAX_PLUGINS}"
+    ):
+        decode(with_field("plugins", plugins))
+
+
+@pytest.mark.parametrize(
+    ("entry", "ok"),
+    [
+        ({"name": "n" * fmt.MAX_PLUGIN_NAME, "package": "p" * fmt.MAX_PLUGIN_NAME}, True),
+        ({"name": "n" * (fmt.MAX_PLUGIN_NAME + 1), "package": "p"}, False),
+        ({"name": "n", "package": "p" * (fmt.MAX_PLUGIN_NAME + 1)}, False),
+        ({"name": "", "package": "p"}, False),
+        ({"name": "n", "package": "p", "extra": "x"}, False),
+        ({"name": "n", "package": 1}, False),
+        ("n", False),
+    ],
+)
+def test_plugin_names_are_bounded(entry: object, ok: bool) -> None:
+    data = with_field("plugins", [entry])
+    if ok:
+        assert len(decode(data).plugins) == 1
+        return
+    with pytest.raises(zp.SnapshotError, match=r"header 'plugins' must be a list of .*; plugins\[0\] is"):
+        decode(data)
+
+
+def test_the_writer_refuses_what_a_reader_would() -> None:
+    ok_plugins = [fmt.PluginRef(f"p{i}", "pkg") for i in range(fmt.MAX_PLUGINS)]
+    ok_producer = {f"k{i}": "v" * fmt.MAX_PRODUCER_VALUE for i in range(fmt.MAX_PRODUCER_ENTRIES)}
+    layout = fmt.encode(1, [], plugins=ok_plugins, producer=ok_producer)
+    header = fmt.decode_header(layout.prefix[:32], layout.prefix[32:], layout.total_nbytes)
+    assert header.plugins == tuple(ok_plugins) and header.producer == ok_producer
+    with pytest.raises(zp.SnapshotError, match="at most 64 plugins"):
+        fmt.encode(1, [], plugins=[*ok_plugins, fmt.PluginRef("x", "y")])
+    with pytest.raises(zp.SnapshotError, match="plugin's name and package"):
+        fmt.encode(1, [], plugins=[fmt.PluginRef("x" * (fmt.MAX_PLUGIN_NAME + 1), "y")])
+    with pytest.raises(zp.SnapshotError, match="at most 32 entries"):
+        fmt.encode(1, [], producer={**ok_producer, "x": "y"})
+    with pytest.raises(zp.SnapshotError, match="producer entry"):
+        fmt.encode(1, [], producer={"x": "v" * (fmt.MAX_PRODUCER_VALUE + 1)})
+
+
+@pytest.mark.parametrize("key", ["signature", "checksums"])
+def test_an_object_over_the_member_limit_is_refused_naming_its_field(key: str) -> None:
+    data = with_field(key, {f"k{i}": 0 for i in range(fmt.MAX_PRODUCER_ENTRIES + 1)})
+    with pytest.raises(zp.SnapshotError, match=rf"header '{key}' must be .*<an object of 33 members>"):
+        decode(data)
+
+
+def test_a_header_of_too_many_keys_is_refused() -> None:
+    _, header, rest = split(snapshot_bytes())
+    header.update({f"unknown{i}": 0 for i in range(40)})
+    with pytest.raises(zp.SnapshotError, match="header must be a JSON object, found <an object of 4[0-9] members>"):
+        decode(rebuild(header, rest))
+
+
+def test_unknown_keys_are_quoted_briefly() -> None:
+    _, header, rest = split(snapshot_bytes())
+    header.update({f"{i}" + "k" * 100_000: 0 for i in range(20)})
+    with pytest.raises(zp.SnapshotError, match="unknown key") as info:
+        decode(rebuild(header, rest))
+    assert len(str(info.value)) < 500
+
+
+@pytest.mark.parametrize("value", [list(range(1_000_000)), "x" * 1_000_000, {"k": "v" * 1_000_000}])
+def test_a_huge_wrong_value_is_quoted_briefly(value: object) -> None:
+    with pytest.raises(zp.SnapshotError, match="stream_nbytes must be an integer") as info:
+        decode(with_field("stream_nbytes", value))
+    assert len(str(info.value)) < 300
+
+
+def with_raw_field(key: str, raw: bytes) -> bytes:
+    """A real snapshot whose JSON header's ``key`` is the JSON text ``raw``, written as it is."""
+    _, header, rest = split(snapshot_bytes())
+    header[key] = "PLACEHOLDER"
+    blob = json.dumps(header, separators=(",", ":")).encode().replace(b'"PLACEHOLDER"', raw)
+    stream, region = rest
+    data_offset = fmt.align_up(32 + len(blob) + len(stream), fmt.PAGE)
+    fixed = struct.pack("<8sIIQII", fmt.MAGIC, 0, len(blob), data_offset + len(region), zlib.crc32(blob), 0)
+    return fixed + blob + stream + bytes(data_offset - 32 - len(blob) - len(stream)) + region
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        (b"1" + b"0" * (fmt.MAX_INT_DIGITS - 1), "10000000000000000000"),  # at the limit: converted, out of range
+        (b"-" + b"9" * (fmt.MAX_INT_DIGITS - 1), "-9999999999999999999"),
+        (b"1" + b"0" * fmt.MAX_INT_DIGITS, "100000000000"),  # one over: not converted where Python's bound is lifted
+        (b"7" * 5000, "<an integer of 5000 digits"),  # over Python's own 4300-digit bound
+        (b"7" * 2_000_000, "<an integer of 2000000 digits"),
+        (b"1.5", "1.5"),
+        (b"1e400", "1e400"),
+        (b"NaN", "NaN"),
+        (b"-Infinity", "-Infinity"),
+        (b"1." + b"5" * 100_000, "<a number of 100002 characters"),
+    ],
+)
+def test_numbers_are_bounded_before_they_are_converted(raw: bytes, shown: str) -> None:
+    with pytest.raises(zp.SnapshotError, match="header field stream_nbytes must be an integer") as info:
+        decode(with_raw_field("stream_nbytes", raw))
+    assert shown in str(info.value)
+
+
+def test_long_numbers_are_refused_cheaply_where_python_s_digit_bound_is_lifted() -> None:
+    import sys
+
+    previous = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)  # unlimited: int() of a long digit string is then quadratic
+    try:
+        with pytest.raises(zp.SnapshotError, match=r"stream_nbytes must be an integer .*<an integer of 4000000 digits"):
+            decode(with_raw_field("stream_nbytes", b"7" * 4_000_000))
+        data = with_raw_field("buffers", b"[[" + b"6" * 1_000_000 + b',0,"cpu",null,false]]')
+        with pytest.raises(zp.SnapshotError, match=r"buffers\[0\] offset must be an integer"):
+            decode(data)
+        assert decode(snapshot_bytes()).version == 2  # the slower decoder reads valid headers alike
+    finally:
+        sys.set_int_max_str_digits(previous)
+
+
+def test_a_header_nested_past_the_parser_s_recursion_is_a_snapshot_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nesting check runs first; if it ever let a deep header through, the parser's RecursionError would
+    still be a SnapshotError."""
+    monkeypatch.setattr(fmt, "_check_nesting", lambda blob: None)
+    deep = 200_000
+    with pytest.raises(zp.SnapshotError, match="nests too deeply|not valid JSON"):
+        decode(raw_header(b"[" * deep + b"]" * deep))
+    with pytest.raises(zp.SnapshotError, match="nests too deeply|not valid JSON"):
+        decode(raw_header(b'{"a":' * deep + b"1" + b"}" * deep))
+
+
+def _peak_decoding(data: bytes) -> int:
+    import tracemalloc
+
+    blob = data[32 : 32 + struct.unpack_from("<I", data, 12)[0]]
+    tracemalloc.start()
+    try:
+        with pytest.raises(zp.SnapshotError):
+            fmt.decode_header(data[:32], blob, None)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("what", ["producer", "plugins", "buffers"])
+def test_decoding_a_hostile_header_holds_memory_linear_in_its_length(what: str) -> None:
+    """Each collection at several MiB of JSON: the decoder's peak is at most 20 times the header's length (the
+    blob, its text, the parsed JSON and the rows; measured: producer 16, buffer rows 13, plugins 11), and it
+    refuses the header."""
+    n = 400_000
+    if what == "producer":
+        raw = b"{" + b",".join(b'"%x":""' % i for i in range(n)) + b"}"
+    elif what == "plugins":
+        raw = b"[" + b",".join([b'{"name":"a","package":"b"}'] * n) + b"]"
+    else:  # rows without buffers behind them: as many as the header holds, refused for the stream
+        raw = b"[" + b",".join([b'[0,0,"cpu",null,false]'] * n) + b"]"
+    data = with_raw_field(what, raw)
+    blob = data[32 : 32 + struct.unpack_from("<I", data, 12)[0]]
+    assert len(blob) > 4_000_000
+    assert _peak_decoding(data) < 20 * len(blob)

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import re
+import reprlib
 import struct
+import sys
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -67,6 +69,20 @@ MAX_HEADER_NBYTES = 64 * 1024 * 1024
 MAX_HEADER_DEPTH = 16
 """A reader refuses a JSON header whose arrays and objects nest deeper than this before parsing it (a valid
 header nests 3 deep), so that parsing never recurses deeply."""
+MAX_PRODUCER_ENTRIES = 32
+"""A reader refuses a header whose informational ``producer`` object has more entries than this (a writer records
+4); each name is at most :data:`MAX_PRODUCER_NAME` characters and each version string at most
+:data:`MAX_PRODUCER_VALUE`. No object of a valid header has more members than this, so the parser refuses any
+larger object before it builds the dict."""
+MAX_PRODUCER_NAME = 64
+MAX_PRODUCER_VALUE = 200
+MAX_PLUGINS = 64
+"""A reader refuses a header that lists more plugins than this; each name and package is 1 to
+:data:`MAX_PLUGIN_NAME` characters."""
+MAX_PLUGIN_NAME = 200
+MAX_INT_DIGITS = 20
+"""No integer of a valid header is written with more characters than this (2**63 - 1 has 19 digits): a longer one is
+never converted (converting a digit string costs time quadratic in its length)."""
 _MAX_INT = (1 << 63) - 1
 _MAX_NAME = 64
 _LOCATION_RE = re.compile(r"[a-z][a-z0-9_]*(:[0-9]{1,4})?")
@@ -231,6 +247,8 @@ def encode(
         The :class:`Layout`; the caller writes ``prefix``, the stream, zero padding up to ``data_offset``,
         then each buffer at ``data_offset + buffer_offsets[i]`` (zero padding between them).
     """
+    producer = dict(producer or {})
+    _check_writable(plugins, producer)
     offsets, cursor = place_buffers(spec.nbytes for spec in buffers)
     table = [
         [offset, spec.nbytes, spec.location, spec.dtype, spec.readonly]
@@ -242,7 +260,7 @@ def encode(
         "data_nbytes": cursor,
         "buffers": table,
         "plugins": [{"name": p.name, "package": p.package} for p in plugins],
-        "producer": dict(producer or {}),
+        "producer": producer,
     }
     if checksums is not None:
         header["checksums"] = {
@@ -263,6 +281,30 @@ def encode(
     total = data_offset + cursor
     fixed = _FIXED.pack(MAGIC, 0, len(blob), total, zlib.crc32(blob), 0)
     return Layout(fixed + blob, stream_offset, data_offset, tuple(offsets), total)
+
+
+def _check_writable(plugins: Sequence[PluginRef], producer: Mapping[str, str]) -> None:
+    """Refuse to write a header that every reader would refuse (the limits :func:`decode_header` enforces)."""
+    if len(plugins) > MAX_PLUGINS:
+        raise SnapshotError(f"a snapshot lists at most {MAX_PLUGINS} plugins, this one would list {len(plugins)}")
+    for plugin in plugins:
+        if not all(isinstance(v, str) and 0 < len(v) <= MAX_PLUGIN_NAME for v in plugin):
+            raise SnapshotError(
+                f"plugin {_short(plugin)}: a plugin's name and package must be 1 to {MAX_PLUGIN_NAME} characters"
+            )
+    if len(producer) > MAX_PRODUCER_ENTRIES:
+        raise SnapshotError(f"a header's producer has at most {MAX_PRODUCER_ENTRIES} entries, not {len(producer)}")
+    for name, value in producer.items():
+        if not (
+            isinstance(name, str)
+            and isinstance(value, str)
+            and len(name) <= MAX_PRODUCER_NAME
+            and len(value) <= MAX_PRODUCER_VALUE
+        ):
+            raise SnapshotError(
+                f"producer entry {_short(name)}: {_short(value)}: names are strings of at most {MAX_PRODUCER_NAME} "
+                f"characters, versions strings of at most {MAX_PRODUCER_VALUE}"
+            )
 
 
 def canonical(header: Mapping[str, Any]) -> bytes:
@@ -344,14 +386,9 @@ def decode_header(fixed: bytes | memoryview, blob: bytes | memoryview, actual_nb
     except UnicodeDecodeError as e:
         raise SnapshotError(f"header at offset {FIXED_NBYTES} is not UTF-8: {e}") from e
     _check_nesting(blob)
-    try:
-        obj = _DECODER.decode(text)
-    except ValueError as e:  # json.JSONDecodeError, or a duplicate key from the hook
-        raise SnapshotError(f"header at offset {FIXED_NBYTES} is not valid JSON: {e}") from e
-    except RecursionError as e:  # unreachable after _check_nesting; kept so no input can escape as one
-        raise SnapshotError(f"header at offset {FIXED_NBYTES} nests too deeply to parse") from e
+    obj = _parse(text)
     if not isinstance(obj, dict):
-        raise SnapshotError(f"header must be a JSON object, found {type(obj).__name__}")
+        raise SnapshotError(f"header must be a JSON object, found {_kind(obj)}")
     missing = _REQUIRED_KEYS - obj.keys()
     if missing:
         raise SnapshotError(f"header lacks required key(s) {sorted(missing)}")
@@ -359,11 +396,11 @@ def decode_header(fixed: bytes | memoryview, blob: bytes | memoryview, actual_nb
     unknown = obj.keys() - _REQUIRED_KEYS - _OPTIONAL_KEYS[version]
     if unknown:
         raise SnapshotError(
-            f"header has unknown key(s) {sorted(unknown)} for format version {version}: written by a newer "
-            f"zerocopy_pickle; upgrade to read it"
+            f"header has unknown key(s) {_short(sorted(unknown), 200)} for format version {version}: written by a "
+            f"newer zerocopy_pickle; upgrade to read it"
         )
     if obj["version"] != version or isinstance(obj["version"], bool):
-        raise SnapshotError(f"header version {obj['version']!r} disagrees with the magic's {version}")
+        raise SnapshotError(f"header version {_short(obj['version'])} disagrees with the magic's {version}")
     stream_nbytes = _int(obj["stream_nbytes"], "stream_nbytes")
     data_nbytes = _int(obj["data_nbytes"], "data_nbytes")
     stream_offset = FIXED_NBYTES + header_nbytes
@@ -377,21 +414,8 @@ def decode_header(fixed: bytes | memoryview, blob: bytes | memoryview, actual_nb
             f"but the snapshot is {total} bytes"
         )
     buffers = _buffers(obj["buffers"], data_nbytes)
-    plugins = obj["plugins"]
-    if not isinstance(plugins, list) or not all(
-        isinstance(p, dict)
-        and p.keys() == {"name", "package"}
-        and all(isinstance(v, str) and 0 < len(v) <= 200 for v in p.values())
-        for p in plugins
-    ):
-        raise SnapshotError(
-            f"header 'plugins' must be a list of {{'name': ..., 'package': ...}} objects, found {plugins!r:.200}"
-        )
-    producer = obj["producer"]
-    if not isinstance(producer, dict) or not all(
-        isinstance(v, str) and len(k) <= _MAX_NAME and len(v) <= 200 for k, v in producer.items()
-    ):
-        raise SnapshotError(f"header 'producer' must map names to version strings, found {producer!r:.200}")
+    plugins = _plugins(obj["plugins"])
+    producer = _producer(obj["producer"])
     checksums = _checksums(obj.get("checksums"), len(buffers))
     signature, signed_header = "", b""
     if "signature" in obj:
@@ -406,8 +430,8 @@ def decode_header(fixed: bytes | memoryview, blob: bytes | memoryview, actual_nb
         data_offset=data_offset,
         data_nbytes=data_nbytes,
         buffers=buffers,
-        plugins=tuple(PluginRef(p["name"], p["package"]) for p in plugins),
-        producer=dict(producer),
+        plugins=plugins,
+        producer=producer,
         checksums=checksums,
         signature=signature,
         signed_header=signed_header,
@@ -455,10 +479,10 @@ def _checksums(value: object, n_buffers: int) -> Checksums | None:
     if value is None:
         return None
     if not isinstance(value, dict) or value.keys() != {"algorithm", "stream", "buffers"}:
-        raise SnapshotError(f"header 'checksums' must be {{algorithm, stream, buffers}}, found {value!r:.200}")
+        raise SnapshotError(f"header 'checksums' must be {{algorithm, stream, buffers}}, found {_short(value, 200)}")
     if value["algorithm"] != CHECKSUM_ALGORITHM:
         raise SnapshotError(
-            f"header 'checksums' uses {value['algorithm']!r:.40}; this reader knows {CHECKSUM_ALGORITHM!r}"
+            f"header 'checksums' uses {_short(value['algorithm'], 40)}; this reader knows {CHECKSUM_ALGORITHM!r}"
         )
     digests = value["buffers"]
     if not isinstance(digests, list) or len(digests) != n_buffers:
@@ -468,37 +492,152 @@ def _checksums(value: object, n_buffers: int) -> Checksums | None:
         )
     for digest in (value["stream"], *digests):
         if not isinstance(digest, str) or not _HEX16.fullmatch(digest):
-            raise SnapshotError(f"header 'checksums' holds {digest!r:.40}, not a 16-digit hex digest")
+            raise SnapshotError(f"header 'checksums' holds {_short(digest, 40)}, not a 16-digit hex digest")
     return Checksums(CHECKSUM_ALGORITHM, value["stream"], tuple(digests))
 
 
 def _signature(value: object) -> str:
     if not isinstance(value, dict) or value.keys() != {"algorithm", "value"}:
-        raise SnapshotError(f"header 'signature' must be {{algorithm, value}}, found {value!r:.200}")
+        raise SnapshotError(f"header 'signature' must be {{algorithm, value}}, found {_short(value, 200)}")
     if value["algorithm"] != SIGNATURE_ALGORITHM:
         raise SnapshotError(
-            f"header 'signature' uses {value['algorithm']!r:.40}; this reader knows {SIGNATURE_ALGORITHM!r}"
+            f"header 'signature' uses {_short(value['algorithm'], 40)}; this reader knows {SIGNATURE_ALGORITHM!r}"
         )
     if not isinstance(value["value"], str) or not _HEX64.fullmatch(value["value"]):
         raise SnapshotError("header 'signature' value is not a 64-digit hex digest")
     return value["value"]
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+class _Refused:
+    """What the parser puts in place of a JSON value it refuses to build: a number written with more than
+    :data:`MAX_INT_DIGITS` characters, any non-integer number, or an object with more members than any object of a
+    valid header. Validation then refuses it as the wrong type for its field, naming the field; ``repr`` says what
+    it was, briefly."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __repr__(self) -> str:
+        return self.what
+
+
+def _number(text: str) -> int | _Refused:
+    if len(text) <= MAX_INT_DIGITS:
+        return int(text)
+    return _Refused(f"<an integer of {len(text)} digits, {text[:12]}...>")
+
+
+def _not_integer(text: str) -> _Refused:
+    return _Refused(text if len(text) <= 24 else f"<a number of {len(text)} characters, {text[:12]}...>")
+
+
+_MAX_MEMBERS = max(MAX_PRODUCER_ENTRIES, len(_REQUIRED_KEYS | _OPTIONAL_KEYS[2]))
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any] | _Refused:
+    if len(pairs) > _MAX_MEMBERS:
+        return _Refused(f"<an object of {len(pairs)} members>")
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"duplicate key {key!r}")
+            raise ValueError(f"duplicate key {_short(key)}")
         out[key] = value
     return out
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates)
+# The usual decoder converts integers in C; it is used while the interpreter's own bound on integer digits
+# (sys.int_max_str_digits, 4300 by default) keeps each conversion cheap: a header of 4300-digit numbers then costs
+# about what a header of real rows of the same size costs, and a number over that bound fails to parse. Where a
+# program lifted that bound, a decoder that refuses long numbers before converting them is used instead (it is
+# slower per integer, so it is not the default). Either way no float, NaN or Infinity is ever kept.
+_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_float=_not_integer, parse_constant=_not_integer)
+_BOUNDED_DECODER = json.JSONDecoder(
+    object_pairs_hook=_object, parse_float=_not_integer, parse_constant=_not_integer, parse_int=_number
+)
+_DEFAULT_INT_DIGITS = 4300
+
+
+def _parse(text: str) -> Any:
+    """The JSON header's value, from text whose nesting :func:`_check_nesting` has bounded."""
+    digits = getattr(sys, "get_int_max_str_digits", lambda: 0)()
+    decoder = _DECODER if 0 < digits <= _DEFAULT_INT_DIGITS else _BOUNDED_DECODER
+    try:
+        try:
+            return decoder.decode(text)
+        except ValueError:
+            if decoder is _BOUNDED_DECODER:
+                raise
+            # Perhaps a number over the interpreter's bound: parse again refusing long numbers, so that the
+            # error names the field that holds it (and says what else is wrong, if that was not it).
+            return _BOUNDED_DECODER.decode(text)
+    except ValueError as e:  # json.JSONDecodeError, or a duplicate key from the hook
+        raise SnapshotError(f"header at offset {FIXED_NBYTES} is not valid JSON: {_short(str(e), 200)}") from e
+    except RecursionError as e:  # unreachable after _check_nesting; kept so no input can escape as one
+        raise SnapshotError(f"header at offset {FIXED_NBYTES} nests too deeply to parse") from e
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 2
+_REPR.maxdict = _REPR.maxlist = _REPR.maxtuple = _REPR.maxset = 4
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 80
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """A repr of ``value`` of at most about ``limit`` characters, built without a repr of the whole value (a field
+    of a hostile header can be a list of millions of items)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _kind(value: object) -> str:
+    return repr(value) if isinstance(value, _Refused) else type(value).__name__
+
+
+def _plugins(value: object) -> tuple[PluginRef, ...]:
+    if not isinstance(value, list):
+        raise SnapshotError(
+            f"header 'plugins' must be a list of {{'name': ..., 'package': ...}} objects, found {_kind(value)}"
+        )
+    if len(value) > MAX_PLUGINS:
+        raise SnapshotError(f"header 'plugins' lists {len(value)} plugins, more than the format's {MAX_PLUGINS}")
+    for i, p in enumerate(value):
+        if not (
+            isinstance(p, dict)
+            and p.keys() == {"name", "package"}
+            and all(isinstance(v, str) and 0 < len(v) <= MAX_PLUGIN_NAME for v in p.values())
+        ):
+            raise SnapshotError(
+                f"header 'plugins' must be a list of {{'name': ..., 'package': ...}} objects of 1 to "
+                f"{MAX_PLUGIN_NAME} characters each; plugins[{i}] is {_short(p, 200)}"
+            )
+    return tuple(PluginRef(p["name"], p["package"]) for p in value)
+
+
+def _producer(value: object) -> dict[str, str]:
+    if not isinstance(value, dict):
+        if isinstance(value, _Refused) and value.what.startswith("<an object"):
+            raise SnapshotError(
+                f"header 'producer' is {value!r}, more entries than the format's {MAX_PRODUCER_ENTRIES}"
+            )
+        raise SnapshotError(f"header 'producer' must map names to version strings, found {_kind(value)}")
+    if len(value) > MAX_PRODUCER_ENTRIES:
+        raise SnapshotError(
+            f"header 'producer' has {len(value)} entries, more than the format's {MAX_PRODUCER_ENTRIES}"
+        )
+    for name, version in value.items():
+        if not (isinstance(version, str) and len(name) <= MAX_PRODUCER_NAME and len(version) <= MAX_PRODUCER_VALUE):
+            raise SnapshotError(
+                f"header 'producer' must map names of at most {MAX_PRODUCER_NAME} characters to version strings of "
+                f"at most {MAX_PRODUCER_VALUE}, found {_short(name)}: {_short(version)}"
+            )
+    return value
 
 
 def _int(value: object, what: str) -> int:
     if type(value) is not int or not 0 <= value <= _MAX_INT:
-        raise SnapshotError(f"header field {what} must be an integer in [0, 2**63), found {value!r:.80}")
+        raise SnapshotError(f"header field {what} must be an integer in [0, 2**63), found {_short(value, 80)}")
     return value
 
 
@@ -550,7 +689,7 @@ def _valid_dtype(value: object) -> bool:
 def _buffer_error(i: int, row: object, previous_end: int, data_nbytes: int) -> SnapshotError:
     where = f"buffers[{i}]"
     if not isinstance(row, list) or len(row) != 5:
-        return SnapshotError(f"{where} must be [offset, nbytes, location, dtype, readonly], found {row!r:.200}")
+        return SnapshotError(f"{where} must be [offset, nbytes, location, dtype, readonly], found {_short(row, 200)}")
     offset = _int(row[0], f"{where} offset")
     nbytes = _int(row[1], f"{where} nbytes")
     location, dtype, readonly = row[2], row[3], row[4]
@@ -564,7 +703,7 @@ def _buffer_error(i: int, row: object, previous_end: int, data_nbytes: int) -> S
     if offset + nbytes > data_nbytes:
         return SnapshotError(f"{where} at [{offset}, {offset + nbytes}) runs past the {data_nbytes}-byte data region")
     if not isinstance(readonly, bool):
-        return SnapshotError(f"{where} readonly flag must be true or false, found {readonly!r:.80}")
+        return SnapshotError(f"{where} readonly flag must be true or false, found {_short(readonly, 80)}")
     if not _valid_location(location):
-        return SnapshotError(f"{where} location {location!r:.80} is not a device name like 'cpu' or 'cuda:0'")
-    return SnapshotError(f"{where} dtype {dtype!r:.80} is not a dtype name")
+        return SnapshotError(f"{where} location {_short(location, 80)} is not a device name like 'cpu' or 'cuda:0'")
+    return SnapshotError(f"{where} dtype {_short(dtype, 80)} is not a dtype name")
