@@ -131,3 +131,94 @@ def test_cpu_locations_are_recorded() -> None:
     assert [b.location for b in header_of(zp.dumps({"w": torch.ones(2)})).buffers] == ["cpu"]
     with zp.freeze({"w": torch.ones(2)}) as snap:
         assert [b.location for b in snap.header.buffers] == ["cpu"]
+
+
+# -- placement by the header's buffer rows, one device storage per buffer (issue 25) ------------------------------
+
+
+def rows_snapshot(stream: bytes, buffers: list[bytes], location: str, dtype: str | None) -> bytes:
+    """A snapshot whose buffer rows all say ``location`` and ``dtype`` (the stream says what it likes)."""
+    from zerocopy_pickle import format as fmt
+
+    layout = fmt.encode(len(stream), [fmt.BufferSpec(len(b), location=location, dtype=dtype) for b in buffers])
+    out = bytearray(layout.prefix + stream)
+    out += bytes(layout.data_offset - len(out))
+    for offset, data in zip(layout.buffer_offsets, buffers, strict=True):
+        out += bytes(layout.data_offset + offset - len(out)) + data
+    return bytes(out)
+
+
+def storages_of_one_buffer(k: int, stream_location: str) -> bytes:
+    """A stream that consumes one buffer and passes it to ``k`` separate ``rebuild_storage`` calls."""
+    from .hostile_streams import NEXT_BUFFER, G, call, memo_get, memo_put, program
+
+    rebuild = memo_put(G("zerocopy_pickle.rebuild", "rebuild_storage"), 0)
+    first = call(rebuild, memo_put(NEXT_BUFFER, 1), stream_location)
+    return program([first] + [call(memo_get(0), memo_get(1), stream_location) for _ in range(k - 1)])
+
+
+PAYLOAD = bytes(range(256)) * 16
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """ "cuda:N" as the transfer tests' fake bulk-transfer device (tests/test_transfer.py)."""
+    from zerocopy_pickle import device as devices
+    from zerocopy_pickle import transfer
+
+    from .test_transfer import FakeBackend
+
+    made: list[Any] = []
+    monkeypatch.setitem(transfer._BACKENDS, "cuda", lambda d: made.append(FakeBackend()) or made[-1])
+    real = devices._require
+    monkeypatch.setattr(devices, "_require", lambda d, hint: None if d.type == "cuda" else real(d, hint))
+    return made
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+def test_k_references_to_one_buffer_make_one_device_copy(fake_cuda: list[Any], trusted: bool) -> None:
+    k = 50
+    data = rows_snapshot(storages_of_one_buffer(k, "cuda:0"), [PAYLOAD], "cuda:0", "uint8")
+    storages = zp.loads(data, trusted=trusted)
+    assert len(storages) == k and all(s is storages[0] for s in storages)
+    assert len(fake_cuda) == 1
+    assert len(fake_cuda[0].calls("allocate")) == 1 and len(fake_cuda[0].calls("copy")) == 1
+    assert bytes(storages[0]) == PAYLOAD
+
+
+def test_the_header_row_not_the_stream_chooses_the_device(fake_cuda: list[Any]) -> None:
+    """The row says cpu, each of the K calls says cuda:0: the storages stay one zero-copy CPU storage (the stream's
+    location argument is checked as a device string and otherwise ignored), and nothing reaches the device."""
+    k = 40
+    data = bytearray(rows_snapshot(storages_of_one_buffer(k, "cuda:0"), [PAYLOAD], "cpu", "uint8"))
+    storages = zp.loads(data)
+    assert all(s is storages[0] for s in storages) and storages[0].device.type == "cpu"
+    assert fake_cuda == []
+    import ctypes
+
+    base = ctypes.addressof(ctypes.c_char.from_buffer(data))
+    assert base <= storages[0].data_ptr() < base + len(data)  # a view of the caller's bytes, not a copy
+
+
+def test_buffers_without_a_bulk_transfer_are_placed_once(fake_cuda: list[Any]) -> None:
+    """Rows without a dtype go storage by storage: still once per buffer, not once per reference."""
+    k = 30
+    data = rows_snapshot(storages_of_one_buffer(k, "cpu"), [PAYLOAD], "cuda:0", None)
+    seen: list[str] = []
+
+    def to_cpu(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        seen.append(location)
+        return storage
+
+    storages = zp.loads(data, map_location=to_cpu)
+    assert seen == ["cuda:0"]  # called once, with the row's location (the stream said "cpu")
+    assert all(s is storages[0] for s in storages)
+    metas = zp.loads(data, map_location={"cuda:0": "meta"})
+    assert all(s is metas[0] for s in metas) and metas[0].device.type == "meta"
+    assert fake_cuda == []
+
+
+def test_the_stream_s_location_argument_is_still_checked(fake_cuda: list[Any]) -> None:
+    data = rows_snapshot(storages_of_one_buffer(2, "x" * 65), [PAYLOAD], "cpu", "uint8")
+    with pytest.raises(zp.SnapshotError, match="location must be a device string"):
+        zp.loads(data)

@@ -148,7 +148,9 @@ def load_stream(
         registry.ensure_discovered()
     if callable(buffers):
         buffers = buffers()
-    placed: dict[int, torch.UntypedStorage] = {}  # filled below, once the stream is admitted
+    # One storage per buffer, placed where its header row (and map_location) says; the bulk transfer below fills
+    # it once the stream is admitted, the storage builder as the stream references each buffer.
+    placed = rebuild.Placement(buffers, locations)
     unpickler: ZeroCopyUnpickler
     if arguments is not None:
         unpickler = _ArgumentUnpickler(
@@ -212,7 +214,7 @@ def admit_stream(
 
 
 def _place(
-    placed: dict[int, torch.UntypedStorage],
+    placed: rebuild.Placement,
     buffers: Buffers,
     locations: Sequence[str],
     tensor_buffers: Sequence[bool],
@@ -221,8 +223,10 @@ def _place(
     source_file: tuple[int, Sequence[int]] | None = None,
 ) -> None:
     """Move the tensor buffers bound to bulk-transfer devices there, one transfer per device, and record
-    ``id(buffer) -> storage`` in ``placed`` for the unpickler. A callable ``map_location`` decides storage by
-    storage, after it sees each one: nothing is moved ahead. ``source_file``: as for :func:`load_stream`."""
+    ``index -> storage`` in ``placed`` for the unpickler's storage builder (it returns that storage for every
+    ``rebuild_storage`` of the buffer, whatever the stream's own location argument says). A callable
+    ``map_location`` decides storage by storage, after it sees each one: nothing is moved ahead.
+    ``source_file``: as for :func:`load_stream`."""
     if callable(map_location):
         return
     groups: dict[torch.device, list[int]] = {}
@@ -240,4 +244,4 @@ def _place(
             fd, offsets = source_file
             source = transfer.SourceFile(fd, tuple(offsets[index] for index in indices))
         for index, storage in zip(indices, transfer.move(hosts, device, source=source), strict=True):
-            placed[id(buffers[index])] = storage
+            placed[index] = storage

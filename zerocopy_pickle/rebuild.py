@@ -12,15 +12,17 @@ library's unpickler substitutes for :func:`rebuild_storage`, to apply one load's
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from . import device, native, validate
 from .device import MapLocation
-from .errors import UnsafeArgumentError
+from .errors import SnapshotError, UnsafeArgumentError
 
 __all__ = [
+    "Placement",
     "StorageBuilder",
     "empty_tensor",
     "rebuild_memory_format",
@@ -153,51 +155,123 @@ def rebuild_memory_format(name: str) -> torch.memory_format:
         ) from None
 
 
+class Placement(dict[int, torch.UntypedStorage]):
+    """One load's own out-of-band buffers, where each goes, and the storage each became.
+
+    As a dict: buffer index -> its storage, filled by the load core's bulk transfer (a storage already moved to its
+    device) or by the first ``rebuild_storage`` of the buffer. A buffer is one storage however often the stream
+    references it: placement is keyed by the buffer's identity (its index in the load's list), so K references to
+    one buffer cost one host storage and at most one device copy, never K.
+
+    Args:
+        buffers: the load's buffers, in the order the stream consumes them (held here, so their identities stay
+            theirs for the load's life).
+        locations: the device each buffer was recorded on (the header's buffer rows), which decides, with the load's
+            ``map_location``, where its storage goes; None when the caller has no rows (then the first
+            ``rebuild_storage`` of a buffer records the stream's location for it).
+
+    Raises:
+        SnapshotError: ``locations`` does not have one entry per buffer.
+    """
+
+    __slots__ = ("_buffers", "_index", "_locations")
+
+    def __init__(self, buffers: Sequence[Any] = (), locations: Sequence[str] | None = None) -> None:
+        super().__init__()
+        self._buffers = tuple(buffers)
+        if locations is not None and len(locations) != len(self._buffers):
+            raise SnapshotError(f"{len(locations)} buffer location(s) for {len(self._buffers)} buffer(s)")
+        self._locations: list[str | None] = list(locations) if locations is not None else [None] * len(self._buffers)
+        self._index: dict[int, int] = {}
+        for index, buffer in enumerate(self._buffers):
+            self._index.setdefault(id(buffer), index)
+
+    def index_of(self, buffer: object) -> int | None:
+        """The index of ``buffer`` if it is one of the load's own buffers (by identity), else None."""
+        index = self._index.get(id(buffer))
+        if index is None or self._buffers[index] is not buffer:
+            return None
+        return index
+
+    def location(self, index: int, stream_location: str) -> str:
+        """Where buffer ``index`` was recorded: its header row's location (``stream_location``, what the stream
+        passed, is then ignored), or without rows the location of the stream's first ``rebuild_storage`` of it."""
+        recorded = self._locations[index]
+        if recorded is None:
+            recorded = self._locations[index] = stream_location
+        return recorded
+
+
 class StorageBuilder:
     """:func:`rebuild_storage` for one load: applies that load's ``map_location``.
 
     The unpickler returns an instance of this class when a stream asks for
     ``zerocopy_pickle.rebuild:rebuild_storage``; the call signature is the same.
+
+    Given the load's :class:`Placement` (as ``placed``), a storage over one of the load's own buffers goes where
+    that buffer's header row and ``map_location`` say, and is built (and moved) once per buffer: every
+    ``rebuild_storage`` of the same buffer returns the same storage. The stream's ``location`` argument must be a
+    device string of at most 64 characters but is otherwise **ignored** for such buffers: the header row, which
+    :func:`zerocopy_pickle.device.check_targets` checked before anything was built and which the bulk transfer
+    used, decides (a stream that disagrees with its header is placed by the header, as the bulk transfer places
+    it). Bytes in the stream (a storage copied in band: no row) go where the stream's location and
+    ``map_location`` say, each call its own copy, charged to a restricted load's budget. A plain dict as
+    ``placed`` (``id(buffer) -> storage``, the interface before :class:`Placement`) is still read.
     """
 
-    __slots__ = ("_map_location", "_native", "_placed", "_stays_on_cpu")
+    __slots__ = ("_legacy", "_map_location", "_native", "_placement", "_stays_on_cpu")
 
     def __init__(self, map_location: MapLocation, placed: dict[int, torch.UntypedStorage] | None = None) -> None:
         self._map_location = map_location
-        # id(buffer) -> the storage the load core already moved to its device (zerocopy_pickle.transfer), for
-        # the buffers of the load's own list: they are alive for as long as the unpickler is.
-        self._placed = placed
+        self._placement = placed if isinstance(placed, Placement) else None
+        # id(buffer) -> a storage already moved, for a caller that passes a plain dict: the buffers of the load's
+        # own list, alive for as long as the unpickler is.
+        self._legacy = placed if placed is not None and not isinstance(placed, Placement) else None
         self._native = native.storage_builder()  # the backend is chosen once per load
         self._stays_on_cpu: dict[str, bool] = {}  # saved location -> whether its target is the CPU
 
     def __call__(self, buffer: Any, location: str) -> torch.UntypedStorage:
         # A restricted load calls this with arguments the stream chose: exact types first (Note [Safe globals]).
-        if self._placed and type(buffer) is memoryview:
-            moved = self._placed.get(id(buffer))
+        if type(location) is not str or len(location) > 64:
+            raise UnsafeArgumentError(
+                f"zerocopy_pickle.rebuild:rebuild_storage: location must be a device string, not "
+                f"{type(location).__qualname__}" + (f" of {len(location)} characters" if type(location) is str else "")
+            )
+        placement = self._placement
+        if placement is not None:
+            index = placement.index_of(buffer)
+            if index is not None:
+                storage = placement.get(index)
+                if storage is None:
+                    saved = placement.location(index, location)
+                    storage = placement[index] = self._place(self._host(buffer), saved)
+                return storage
+        elif self._legacy and type(buffer) is memoryview:
+            moved = self._legacy.get(id(buffer))
             if moved is not None:
                 return moved
+        return self._place(self._host(buffer), location)
+
+    def _host(self, buffer: Any) -> torch.UntypedStorage:
+        """A CPU storage over (or, for read-only bytes, a copy of) ``buffer``."""
         if type(buffer) is memoryview and buffer.format == "B" and buffer.nbytes and not buffer.readonly:
             # The load's own slices of its mapping: skip storage_from_buffer's checks (hot path).
             build = self._native
             if build is None:
-                storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
-            else:
-                storage = build(buffer)
-        elif type(buffer) in (memoryview, bytes, bytearray, pickle.PickleBuffer):
+                return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+            return build(buffer)
+        if type(buffer) in (memoryview, bytes, bytearray, pickle.PickleBuffer):
             # A read-only buffer or bytes in the stream is copied: charged to a restricted load's budget, since a
             # stream could name the same bytes over and over (validate.charge is free outside restricted loads).
             validate.charge(memoryview(buffer).nbytes, "zerocopy_pickle.rebuild:rebuild_storage")
-            storage = storage_from_buffer(buffer)
-        else:
-            raise UnsafeArgumentError(
-                f"zerocopy_pickle.rebuild:rebuild_storage: buffer must be an out-of-band buffer or bytes, not "
-                f"{type(buffer).__qualname__}"
-            )
-        if type(location) is not str or len(location) > 64:
-            raise UnsafeArgumentError(
-                f"zerocopy_pickle.rebuild:rebuild_storage: location must be a device string, not "
-                f"{type(location).__qualname__}"
-            )
+            return storage_from_buffer(buffer)
+        raise UnsafeArgumentError(
+            f"zerocopy_pickle.rebuild:rebuild_storage: buffer must be an out-of-band buffer or bytes, not "
+            f"{type(buffer).__qualname__}"
+        )
+
+    def _place(self, storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        """``storage`` (on the CPU), saved on ``location``, where the load's ``map_location`` sends it."""
         stays = self._stays_on_cpu.get(location)
         if stays is None:
             target = device.static_target(self._map_location, location)
