@@ -356,6 +356,268 @@ def test_scan_refuses_a_use_that_no_name_explains(tmp_path: Path, capsys: pytest
     assert report["restricted"]["message"] == str(refused.value)
 
 
+def by_value_with_a_blocked_global() -> bytes:
+    """A stream that names ``posix:system`` and, as cloudpickle's streams do, calls the result of
+    ``cloudpickle.cloudpickle:_builtin_type``: its analysis refuses it before any name is checked."""
+    from .hostile_streams import G, call, program
+
+    return program(
+        [
+            call(G("posix", "system"), "true"),
+            call(call(G("cloudpickle.cloudpickle", "_builtin_type"), "CodeType"), 0),
+            G("zerocopy_pickle.rebuild", "rebuild_storage"),
+        ]
+    )
+
+
+def test_scan_labels_a_blocked_global_blocked_beside_code_pickled_by_value(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from .hostile_streams import as_snapshot
+
+    path = tmp_path / "by-value.zcp"
+    path.write_bytes(as_snapshot(by_value_with_a_blocked_global()))
+    with pytest.raises(zp.RestrictedLoadError, match="pickled by value"):
+        zp.load(path)
+    for allow in ([], ["--allow", "posix:system", "--allow", "cloudpickle.cloudpickle:_builtin_type"]):
+        assert main(["scan", str(path), *allow]) == cli.EXIT_REFUSED
+        out = capsys.readouterr().out
+        assert "  blocked  posix:system\n" in out
+        assert "  blocked  cloudpickle.cloudpickle:_builtin_type\n" in out  # cloudpickle is on the blocklist
+        assert "  allowed  zerocopy_pickle.rebuild:rebuild_storage\n" in out
+        assert "allowed  posix" not in out and "pickled by value" in out
+        assert main(["scan", "--json", str(path), *allow]) == cli.EXIT_REFUSED
+        report = json.loads(capsys.readouterr().out)
+        statuses = {g["name"]: g["status"] for g in report["globals"]}
+        assert statuses == {
+            "posix:system": "blocked",
+            "cloudpickle.cloudpickle:_builtin_type": "blocked",
+            "zerocopy_pickle.rebuild:rebuild_storage": "allowed",
+        }
+        assert report["restricted"]["accepted"] is False
+
+
+def test_scan_labels_a_real_cloudpickle_stream_with_os_system(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cloudpickle = pytest.importorskip("cloudpickle")
+    target = str(tmp_path / "PWNED")
+
+    def run() -> None:  # a local function: cloudpickle pickles it by value
+        open(target, "w").close()
+
+    from .hostile_streams import as_snapshot
+
+    path = tmp_path / "cloudpickle.zcp"
+    path.write_bytes(as_snapshot(cloudpickle.dumps([run, os.system])))
+    assert main(["scan", "--json", str(path)]) == cli.EXIT_REFUSED
+    report = json.loads(capsys.readouterr().out)
+    statuses = {g["name"]: g["status"] for g in report["globals"]}
+    assert statuses[f"{os.system.__module__}:system"] == "blocked"
+    assert "allowed" not in {status for name, status in statuses.items() if name.startswith("cloudpickle")}
+    assert not (tmp_path / "PWNED").exists()
+
+
+def _load_allow_list(data: bytes, allow: list[str]) -> object:
+    """The allow-list a restricted load of the snapshot ``data`` builds (the unpickler's own)."""
+    import io
+
+    from zerocopy_pickle.pickler import ZeroCopyUnpickler
+
+    header = zp.read_header(data)
+    stream = data[header.stream_offset : header.stream_offset + header.stream_nbytes]
+    return ZeroCopyUnpickler(
+        io.BytesIO(stream), buffers=[], allow=allow, plugins=[p.name for p in header.plugins]
+    ).allow_list
+
+
+def test_scan_labels_agree_with_the_load_over_the_hostile_corpus(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every payload of the hostile corpus, scanned with no --allow and with --allow naming all it asks for: a
+    global scan labels ``allowed`` is admitted by the load's allow-list and is not blocked; one the load refuses
+    (its error's refused, needed and blocked) or the blocklist names is never labelled ``allowed``."""
+    import types as _types
+
+    from zerocopy_pickle.restricted import is_blocked
+
+    from .hostile_streams import as_snapshot
+    from .test_hostile import ALIAS_MODULE, PAYLOADS
+
+    sentinel = tmp_path / "PWNED"
+    alias = _types.ModuleType(ALIAS_MODULE)
+    alias.run = os.system  # type: ignore[attr-defined]
+    sys.modules[ALIAS_MODULE] = alias
+    checked = 0
+    try:
+        for name, payload in sorted(PAYLOADS.items()):
+            try:
+                stream = payload(sentinel)
+            except pytest.skip.Exception:
+                continue
+            data = as_snapshot(stream)
+            path = tmp_path / "payload.zcp"
+            path.write_bytes(data)
+            try:
+                names = [format_global(p) for p in zp.scan(data) if p != ("<dynamic>", "<dynamic>")]
+            except zp.SnapshotError:  # malformed (a second stream after STOP): scan refuses the file itself
+                assert main(["scan", str(path)]) == cli.EXIT_ERROR
+                capsys.readouterr()
+                continue
+            for allow in ([], names):
+                code = main(["scan", "--json", str(path), *(arg for n in allow for arg in ("--allow", n))])
+                report = json.loads(capsys.readouterr().out)
+                assert code == cli.EXIT_REFUSED, (name, report)
+                statuses = {(g["module"], g["qualname"]): g["status"] for g in report["globals"]}
+                with pytest.raises((zp.RestrictedLoadError, zp.SnapshotError)) as refused:
+                    zp.loads(data, allow=allow)
+                error = refused.value
+                if isinstance(error, zp.RestrictedLoadError):
+                    load_refuses = {*error.needed, *error.blocked}  # (its .refused may be a use, not a name)
+                    for pair in load_refuses:
+                        assert statuses.get(pair, "absent") != "allowed", (name, pair)
+                    for pair in error.blocked:
+                        assert statuses[pair] == "blocked", (name, pair)
+                allow_list = _load_allow_list(data, allow)
+                for pair, status in statuses.items():
+                    if is_blocked(pair):
+                        assert status == "blocked", (name, pair)
+                    if status == "allowed":
+                        allow_list.find_class(*pair)  # type: ignore[attr-defined]  # raises if the load would not admit it
+                        assert not is_blocked(pair), (name, pair)
+                checked += 1
+                assert not sentinel.exists(), name
+    finally:
+        del sys.modules[ALIAS_MODULE]
+    assert checked >= 60
+
+
+# --- text from a file is shown escaped --------------------------------------------------------------------------
+
+# ESC sequences (clear the screen, retitle the window, ring the bell), the one-byte CSI, backspace, carriage return,
+# the bidirectional overrides and isolates, a zero-width joiner, a line separator, DEL.
+HOSTILE = "\x1b[2J\x1b]0;owned\x07\x9b31m\x08\r\u202eevil\u202c\u2066x\u2069\u202a\u200d\u2028\x7f"
+RAW_CONTROLS = ("\x1b", "\x9b", "\x07", "\x08", "\r", "\u202e", "\u202c", "\u2066", "\u2069", "\u202a", "\u200d",
+                "\u2028", "\x7f")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        (
+            "plain text: torch.nn.modules.linear:Linear 2.1.0+cu121",
+            "plain text: torch.nn.modules.linear:Linear 2.1.0+cu121",
+        ),
+        ("\x1b[31mred", "\\x1b[31mred"),
+        ("\x9b2J", "\\x9b2J"),
+        (
+            "bell\x07 back\x08 cr\r nl\n tab\t nul\x00 del\x7f",
+            "bell\\x07 back\\x08 cr\\r nl\\n tab\\t nul\\x00 del\\x7f",
+        ),
+        ("\u202aa\u202bb\u202cc\u202dd\u202ee", "\\u202aa\\u202bb\\u202cc\\u202dd\\u202ee"),
+        ("\u2066a\u2067b\u2068c\u2069", "\\u2066a\\u2067b\\u2068c\\u2069"),
+        (
+            "zero\u200bwidth\ufeff sep\u2028 nbsp\xa0 tag\U000e0001",
+            "zero\\u200bwidth\\ufeff sep\\u2028 nbsp\\xa0 tag\\U000e0001",
+        ),
+        ("lone \udcff surrogate", "lone \\udcff surrogate"),
+        ("a literal \\x1b stays distinct", "a literal \\\\x1b stays distinct"),
+        ("unicode is kept: é, 中文, Ω", "unicode is kept: é, 中文, Ω"),
+    ],
+)
+def test_printable_escapes_every_character_that_drives_a_terminal(text: str, shown: str) -> None:
+    from zerocopy_pickle.console import printable
+
+    assert printable(text) == shown
+    assert printable(text).isprintable()
+    assert printable(text, keep="\n") == shown.replace("\\n", "\n") if "\\\\" not in shown else True
+
+
+def hostile_snapshot(tmp_path: Path, plugins: list[tuple[str, str]] = ()) -> Path:  # type: ignore[assignment]
+    """A snapshot whose global names (GLOBAL: no newline; STACK_GLOBAL: anything, a forged line included) and
+    header producer hold terminal control sequences."""
+    from zerocopy_pickle import format as fmt
+
+    from .hostile_streams import SG, G, program
+
+    stream = program([G("mod" + HOSTILE, "Name" + HOSTILE), SG("m\n  allowed  forged", "q" + HOSTILE + "\n")])
+    layout = fmt.encode(
+        len(stream),
+        [],
+        plugins=[fmt.PluginRef(*p) for p in plugins],
+        producer={"zerocopy_pickle": HOSTILE, "k" + HOSTILE: "1"},
+    )
+    path = tmp_path / "hostile.zcp"
+    path.write_bytes(layout.prefix + stream + bytes(layout.data_offset - layout.stream_offset - len(stream)))
+    return path
+
+
+def assert_escaped(text: str) -> None:
+    for raw in RAW_CONTROLS:
+        assert raw not in text, repr(raw)
+    assert "\\x1b[2J" in text and "\\u202eevil" in text and "\\x9b31m" in text
+    assert not any(line.lstrip().startswith("allowed  forged") for line in text.splitlines())
+
+
+def test_inspect_and_scan_print_the_file_s_strings_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = hostile_snapshot(tmp_path)
+    assert main(["inspect", str(path)]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert_escaped(out)
+    assert "written by: " in out and "zerocopy_pickle \\x1b[2J" in out
+    assert "    mod\\x1b[2J" in out and "    m\\n  allowed  forged:q\\x1b[2J" in out
+    assert main(["scan", str(path)]) == cli.EXIT_REFUSED
+    out = capsys.readouterr().out
+    assert_escaped(out)
+    assert "  refused  m\\n  allowed  forged:q" in out
+    assert "restricted load: refused: " in out  # the refusal quotes the names: escaped too
+
+
+def test_json_output_is_ascii_and_keeps_the_strings_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = hostile_snapshot(tmp_path)
+    assert main(["inspect", "--json", str(path)]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert out.isascii() and all(c == "\n" or " " <= c <= "~" for c in out)
+    report = json.loads(out)
+    assert report["producer"] == {"zerocopy_pickle": HOSTILE, "k" + HOSTILE: "1"}
+    assert report["globals"] == ["mod" + HOSTILE + ":Name" + HOSTILE, "m\n  allowed  forged:q" + HOSTILE + "\n"]
+    assert main(["scan", "--json", str(path)]) == cli.EXIT_REFUSED
+    out = capsys.readouterr().out
+    assert out.isascii() and all(c == "\n" or " " <= c <= "~" for c in out)
+    report = json.loads(out)
+    assert [g["qualname"] for g in report["globals"]] == ["Name" + HOSTILE, "q" + HOSTILE + "\n"]
+    assert "refusing to load global 'mod\\x1b[2J" in report["restricted"]["message"]  # the load's repr of it
+
+
+def test_an_error_quoting_the_file_is_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plugin the header names and nobody installed: the error line quotes its name."""
+    path = hostile_snapshot(tmp_path, plugins=[("plug" + HOSTILE, "pkg" + HOSTILE)])
+    assert main(["inspect", str(path)]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert_escaped(out)
+    assert "plugins:   plug\\x1b[2J" in out
+    assert main(["scan", str(path)]) == cli.EXIT_ERROR
+    captured = capsys.readouterr()
+    assert captured.err.startswith("zerocopy-pickle scan: error: ") and captured.err.count("\n") == 1
+    assert "pip install pkg\\x1b[2J" in captured.err
+    for raw in RAW_CONTROLS:
+        assert raw not in captured.err
+    assert main(["scan", "--json", str(path)]) == cli.EXIT_ERROR
+    captured = capsys.readouterr()
+    assert captured.out.isascii() and "pip install pkg" + HOSTILE in json.loads(captured.out)["error"]
+
+
+def test_log_records_are_escaped(capsys: pytest.CaptureFixture[str]) -> None:
+    from zerocopy_pickle.console import configure_logging
+
+    configure_logging(0)
+    logging.getLogger("zerocopy_pickle.test").warning("a name from a file: %s\nsecond line", HOSTILE)
+    err = capsys.readouterr().err
+    for raw in RAW_CONTROLS:
+        assert raw not in err
+    assert err == f"WARNING zerocopy_pickle.test: a name from a file: {cli.printable(HOSTILE)}\nsecond line\n"
+
+
 # --- native ---------------------------------------------------------------------------------------------------------
 
 

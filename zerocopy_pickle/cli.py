@@ -37,7 +37,8 @@ from . import format as fmt
 from ._version import __version__
 from .cache.cli import EXIT_INTERRUPTED, EXIT_NO_SERVER, NoServer, add_cache_commands
 from .cache.cli import human as _human
-from .errors import IntegrityError, RestrictedLoadError, ZeroCopyPickleError
+from .console import printable
+from .errors import IntegrityError, MissingGlobalError, RestrictedLoadError, ZeroCopyPickleError
 
 __all__ = [
     "EXIT_ERROR",
@@ -133,33 +134,32 @@ def _inspect(args: argparse.Namespace) -> int:
         }
         _print_json(report)
         return EXIT_OK
+    # Every string from the file goes through printable(): names and versions are the file's to choose.
     out = [
-        f"{args.file}: zerocopy_pickle snapshot, format v{header.version}, {_human(header.total_nbytes)}",
-        "  written by: " + ", ".join(f"{k} {v}" for k, v in sorted(header.producer.items())),
+        f"{printable(args.file)}: zerocopy_pickle snapshot, format v{header.version}, {_human(header.total_nbytes)}",
+        "  written by: " + ", ".join(printable(f"{k} {v}") for k, v in sorted(header.producer.items())),
         f"  header     [{fmt.FIXED_NBYTES}, {header.stream_offset})  {header.header_nbytes} bytes",
         f"  stream     [{header.stream_offset}, {header.stream_offset + header.stream_nbytes})  "
         f"{_human(header.stream_nbytes)}",
         f"  data       [{header.data_offset}, {header.total_nbytes})  {_human(header.data_nbytes)} in "
         f"{len(header.buffers)} buffers",
-        "  plugins:   " + (", ".join(f"{p.name} (from {p.package})" for p in header.plugins) or "none"),
+        "  plugins:   " + (", ".join(printable(f"{p.name} (from {p.package})") for p in header.plugins) or "none"),
         "  checksums: "
         + (f"{header.checksums.algorithm}, stream and {len(header.buffers)} buffers" if header.checksums else "none")
         + (" (verified: all match)" if args.verify else ""),
         "  signature: " + ("HMAC-SHA256 (verify with load(..., key=...))" if header.signature else "none"),
-        "  by dtype:  " + ", ".join(f"{d} {_human(n)}" for d, n in by_dtype.most_common()),
-        "  by device: " + ", ".join(f"{d} {_human(n)}" for d, n in by_location.most_common()),
+        "  by dtype:  " + ", ".join(f"{printable(d)} {_human(n)}" for d, n in by_dtype.most_common()),
+        "  by device: " + ", ".join(f"{printable(d)} {_human(n)}" for d, n in by_location.most_common()),
         f"  globals the stream needs ({len(globals_needed)}):",
-        *(f"    {format_global(g)}" for g in globals_needed),
+        *(f"    {printable(format_global(g))}" for g in globals_needed),
     ]
     shown = header.buffers[: args.buffers]
     if shown:
         out.append(f"  buffers (first {len(shown)} of {len(header.buffers)}):")
         out.append(f"    {'#':>5} {'offset':>14} {'nbytes':>14}  {'location':<8} dtype")
         for i, entry in enumerate(shown):
-            out.append(
-                f"    {i:>5} {header.data_offset + entry.offset:>14} {entry.nbytes:>14}  {entry.location:<8} "
-                f"{entry.dtype or '?'}"
-            )
+            location, dtype = printable(entry.location), printable(entry.dtype or "?")
+            out.append(f"    {i:>5} {header.data_offset + entry.offset:>14} {entry.nbytes:>14}  {location:<8} {dtype}")
     print("\n".join(out))
     return EXIT_OK
 
@@ -188,11 +188,10 @@ def _scan(args: argparse.Namespace) -> int:
         admit_stream(stream, plugins=header.plugins, allow=args.allow)
     except RestrictedLoadError as e:
         refusal = e
-    blocked = set(refusal.blocked) if refusal else set()
-    refused = set(refusal.needed) if refusal else set()
+    statuses = _statuses(stream, pairs, header.plugins, args.allow, refusal)
 
     def verdict(pair: tuple[str, str]) -> str:
-        return "blocked" if pair in blocked else "refused" if pair in refused else "allowed"
+        return statuses[pair]
 
     if args.json:
         _print_json(
@@ -211,15 +210,67 @@ def _scan(args: argparse.Namespace) -> int:
             }
         )
     else:
-        out = [f"{args.file}: the stream needs {len(pairs)} globals"]
-        out += [f"  {verdict(p):<8} {format_global(p)}" for p in pairs]
-        allowing = f" with --allow {' '.join(args.allow)}" if args.allow else ""
+        out = [f"{printable(args.file)}: the stream needs {len(pairs)} globals"]
+        out += [f"  {verdict(p):<8} {printable(format_global(p))}" for p in pairs]
+        allowing = printable(f" with --allow {' '.join(args.allow)}") if args.allow else ""
         if refusal is None:
             out.append(f"restricted load{allowing}: accepted")
         else:
-            out.append(f"restricted load{allowing}: refused: {refusal}")
+            out.append(f"restricted load{allowing}: refused: {printable(str(refusal))}")
         print("\n".join(out))
     return EXIT_OK if refusal is None else EXIT_REFUSED
+
+
+def _statuses(
+    stream: bytes,
+    pairs: Sequence[tuple[str, str]],
+    plugins: Sequence[tuple[str, str]],
+    allow: Sequence[str],
+    refusal: RestrictedLoadError | None,
+) -> dict[tuple[str, str], str]:
+    """What ``scan`` says of each global: ``blocked``, ``refused`` or ``allowed``, from the allow-list a restricted
+    load of this stream builds (the unpickler's own, for the plugins the header names and ``allow``), asked one
+    global at a time, whatever else the stream holds.
+
+    The load's verdict (``refusal``) says why the whole stream is refused, but not always which global: a stream
+    whose analysis already fails (code pickled by value, a REDUCE of something that is not a global) is refused
+    before any name is checked, with no ``needed`` or ``blocked``. So no status is read off the verdict alone: a
+    global is ``allowed`` only if the load's allow-list resolves it and it is not on the blocklist, by name or by
+    what it denotes, and a global the verdict lists as ``needed`` or ``blocked`` is never ``allowed``. A status is
+    about the name: a stream refused for what it does with an allowed global (calls a dtype) keeps it ``allowed``.
+    """
+    from .pickler import ZeroCopyUnpickler
+    from .restricted import is_blocked, refusal_message
+
+    allow_list = ZeroCopyUnpickler(
+        io.BytesIO(stream), buffers=[], allow=allow, plugins=[name for name, _ in plugins]
+    ).allow_list
+    assert allow_list is not None  # a restricted unpickler always has one
+    # The load's own classification of every global it cannot admit (blocked by name, or by what an imported
+    # module's attribute is), as a refusal would word it.
+    classified = refusal_message(RestrictedLoadError("", refused=("", "")), allow_list, pairs)
+    blocked = set(classified.blocked)
+    refused: set[tuple[str, str]] = set()
+    if refusal is not None:
+        blocked.update(refusal.blocked)
+        refused.update(refusal.needed)  # not refusal.refused: that can be a use refused, of an allowed name
+    statuses: dict[tuple[str, str], str] = {}
+    for pair in pairs:
+        if pair in blocked or is_blocked(pair):
+            status = "blocked"
+        elif pair in refused:
+            status = "refused"
+        else:
+            try:
+                allow_list.find_class(*pair)
+            except RestrictedLoadError as e:
+                status = "blocked" if pair in e.blocked else "refused"
+            except MissingGlobalError:  # allowed by name, not importable: the load cannot admit it either
+                status = "refused"
+            else:
+                status = "allowed"
+        statuses[pair] = status
+    return statuses
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -291,7 +342,10 @@ def _convert(args: argparse.Namespace) -> int:
             raise ZeroCopyPickleError(_torch_load_failure(args.input, e)) from e
     dump(obj, args.output, fsync=args.fsync)
     with Snapshot.open(args.output) as snap:
-        print(f"{args.input} ({kind}) -> {args.output}: {_human(snap.nbytes)}, {len(snap.header.buffers)} storages")
+        print(
+            printable(f"{args.input} ({kind}) -> {args.output}: ")
+            + f"{_human(snap.nbytes)}, {len(snap.header.buffers)} storages"
+        )
     return EXIT_OK
 
 
@@ -365,7 +419,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _print_json(report: dict[str, Any]) -> None:
-    json.dump(report, sys.stdout, indent=2)
+    # ensure_ascii: every character outside printable ASCII is a \uXXXX escape, C0 and DEL as well as what
+    # json.dumps would otherwise leave raw (C1 controls such as the CSI 0x9b, the bidirectional overrides).
+    json.dump(report, sys.stdout, indent=2, ensure_ascii=True)
     print()
 
 
@@ -571,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except (ZeroCopyPickleError, OSError, EOFError) as e:
         code = _exit_code(e)
-        print(f"zerocopy-pickle {args.command}: error: {e}", file=sys.stderr)
+        print(f"zerocopy-pickle {args.command}: error: {printable(str(e))}", file=sys.stderr)
         if getattr(args, "json", False):
             _print_json({"error": str(e), "exit_code": code})
         return code

@@ -2,9 +2,10 @@
 
 Two things a program with a terminal decides and a library must not: where the ``zerocopy_pickle`` log records go
 (:func:`configure_logging`), and which third-party messages are noise to the person reading that terminal
-(:func:`quiet_third_party`). ``zerocopy_pickle.cli`` and the demo call them; the library's dump and load paths
-never import this module (a library that configures logging or swallows other libraries' warnings takes that
-choice away from the application it runs in).
+(:func:`quiet_third_party`). And one thing every line for a terminal needs: text that came from a file, shown so
+that it cannot drive the terminal (:func:`printable`). ``zerocopy_pickle.cli`` and the demo call them; the
+library's dump and load paths never import this module (a library that configures logging or swallows other
+libraries' warnings takes that choice away from the application it runs in).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import re
 import sys
 
-__all__ = ["NOISE", "configure_logging", "quiet_third_party"]
+__all__ = ["NOISE", "configure_logging", "printable", "quiet_third_party"]
 
 LOGGER_NAME = "zerocopy_pickle"
 _HANDLER_NAME = "zerocopy_pickle.console"
@@ -32,6 +33,49 @@ NOISE: tuple[tuple[str, str], ...] = (
         r"`\w+ImageProcessor` requires torchvision \(not installed\); falling back to ",
     ),
 )
+
+
+_NAMED_ESCAPES = {"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+def printable(text: str, *, keep: str = "") -> str:
+    """``text`` with every character that is not printable written as a visible escape, so that a string from a
+    file cannot move the cursor, retitle the window, ring the bell, rewrite what was printed before it, or
+    reorder what follows it.
+
+    Escaped: control characters (C0, DEL, and C1 such as the one-byte CSI ``\\x9b``: ESC is ``\\x1b``), format
+    characters (the bidirectional overrides and isolates U+202A-U+202E and U+2066-U+2069, zero-width characters),
+    line and paragraph separators, spaces other than the plain space, surrogates and unassigned code points: every
+    character for which :meth:`str.isprintable` is false, in Python's escape syntax (``\\n``, ``\\x1b``,
+    ``\\u202e``, ``\\U000e0001``). A backslash is doubled, so an escape in the output always means the character
+    it names. ``keep``: characters to leave as they are (a log record keeps its line breaks).
+    """
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(ch if ch in keep else _escape(ch) for ch in text)
+
+
+def _escape(ch: str) -> str:
+    named = _NAMED_ESCAPES.get(ch)
+    if named is not None:
+        return named
+    if ch.isprintable():
+        return ch
+    code = ord(ch)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+class _PrintableFormatter(logging.Formatter):
+    """A formatter whose message part is :func:`printable` (line breaks kept): a log record can quote a string
+    from a file."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message, keep="\n")
+        return super().formatMessage(record)
 
 
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -62,7 +106,7 @@ def configure_logging(verbosity: int) -> None:
     if not any(handler.get_name() == _HANDLER_NAME for handler in logger.handlers):
         handler = _StderrHandler()
         handler.set_name(_HANDLER_NAME)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(_PrintableFormatter("%(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)
 
 
