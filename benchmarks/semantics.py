@@ -5,6 +5,7 @@ Run it from the repository root (the native helpers are built into the cache fir
 
     .venv/bin/python benchmarks/semantics.py             # 1000-tensor state dict, GPT-ish module
     .venv/bin/python benchmarks/semantics.py --repeat 51
+    .venv/bin/python benchmarks/semantics.py --cases sd100k --repeat 7   # 100,000 small tensors
 
 CPU time (``time.process_time``), median of ``--repeat`` runs, backends interleaved:
 
@@ -44,8 +45,8 @@ def cpu_median(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
-def state_dict(n: int) -> collections.OrderedDict[str, torch.Tensor]:
-    return collections.OrderedDict((f"layers.{i}.weight", torch.zeros(4, 4)) for i in range(n))
+def state_dict(n: int, shape: tuple[int, ...] = (4, 4)) -> collections.OrderedDict[str, torch.Tensor]:
+    return collections.OrderedDict((f"layers.{i}.weight", torch.zeros(shape)) for i in range(n))
 
 
 def gpt(layers: int = 12, width: int = 64) -> torch.nn.Module:
@@ -83,7 +84,7 @@ def bench(name: str, obj: object, allow: list[Any] | None, repeat: int, workdir:
     zp.dump(obj, path)
 
     def restricted() -> None:
-        semantics._CACHE.clear()
+        semantics.forget()
         zp.load(path, allow=allow or [])
 
     loads: dict[str, float] = {}
@@ -99,15 +100,25 @@ def bench(name: str, obj: object, allow: list[Any] | None, repeat: int, workdir:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=21)
+    parser.add_argument(
+        "--cases", default="sd,gpt", help="comma-separated: sd (1000 tensors), gpt, sd100k (100,000 small tensors)"
+    )
     args = parser.parse_args()
     native.build()
-    gpt_model = gpt()
-    gpt_allow = sorted({type(m) for m in gpt_model.modules()}, key=lambda t: t.__qualname__)
+    cases = set(args.cases.split(","))
+    report = {}
     with tempfile.TemporaryDirectory() as tmp:
-        report = {
-            "state dict, 1000 tensors": bench("sd", state_dict(1000), None, args.repeat, Path(tmp)),
-            "GPT-ish module": bench("gpt", gpt_model, [*gpt_allow, torch.nn.functional.relu], args.repeat, Path(tmp)),
-        }
+        if "sd" in cases:
+            report["state dict, 1000 tensors"] = bench("sd", state_dict(1000), None, args.repeat, Path(tmp))
+        if "gpt" in cases:
+            gpt_model = gpt()
+            allow: list[Any] = sorted({type(m) for m in gpt_model.modules()}, key=lambda t: t.__qualname__)
+            allow.append(torch.nn.functional.relu)
+            report["GPT-ish module"] = bench("gpt", gpt_model, allow, args.repeat, Path(tmp))
+        if "sd100k" in cases:
+            report["state dict, 100,000 small tensors"] = bench(
+                "sd100k", state_dict(100_000, (2,)), None, args.repeat, Path(tmp)
+            )
     print(json.dumps(report, indent=2))
 
 

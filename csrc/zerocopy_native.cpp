@@ -184,6 +184,11 @@ namespace semantics_native {
 constexpr std::size_t kMaxStack = std::size_t(1) << 20;  // streamcheck.MAX_STACK
 constexpr std::size_t kMaxMarks = 50000;                  // streamcheck.MAX_MARKS
 constexpr uint32_t kMaxDepth = 5000;                      // semantics.MAX_DEPTH
+constexpr uint32_t kMaxUnprotectedDepth = 200;            // semantics.MAX_UNPROTECTED_DEPTH
+constexpr std::size_t kMaxNameLength = 1024;              // semantics.MAX_NAME_LENGTH
+constexpr uint64_t kHashFloor = uint64_t(1) << 20;        // semantics.HASH_FLOOR
+constexpr uint64_t kHashPerByte = 4;                      // semantics.HASH_PER_BYTE
+constexpr uint64_t kSizeCap = uint64_t(1) << 62;          // semantics._SIZE_CAP
 
 enum Code : int { kOk = 0, kMalformed = 1, kRefused = 2, kTooDeep = 3, kDefer = 4 };
 enum Kind : uint8_t { kPrim, kStr, kBytes, kTuple, kList, kDict, kSet, kFrozenset, kGlobal, kResult, kBuffer };
@@ -282,9 +287,15 @@ constexpr OpTable kTable{};
 struct Tag {
   uint8_t kind;
   bool built;
+  bool nested;  // put into another value (semantics' Note [The cost model])
   uint32_t depth;
-  uint32_t ref;  // kGlobal/kResult: pair index; kStr: string index (kNone: text unknown)
+  uint32_t ref;   // kGlobal/kResult: pair index; kStr: string index (kNone: text unknown)
+  uint64_t size;  // expanded size, saturating at kSizeCap
 };
+
+inline uint64_t add_size(uint64_t a, uint64_t b) {  // both <= kSizeCap: no overflow
+  return std::min(a + b, kSizeCap);
+}
 
 // Singleton tags (never mutated: only kResult and container tags are).
 constexpr uint32_t kPrimTag = 0, kBytesTag = 1, kBufferTag = 2, kUnknownStrTag = 3;
@@ -298,11 +309,15 @@ struct Text {
 class Analyzer {
  public:
   Analyzer(const unsigned char* data, std::size_t end, std::size_t collect_at)
-      : data_(data), end_(end), collect_at_(std::max<std::size_t>(collect_at, 8)), next_collect_(collect_at_) {
-    tags_.push_back({kPrim, false, 0, kNone});
-    tags_.push_back({kBytes, false, 0, kNone});
-    tags_.push_back({kBuffer, false, 0, kNone});
-    tags_.push_back({kStr, false, 0, kNone});
+      : data_(data),
+        end_(end),
+        hash_left_(std::max<uint64_t>(kHashFloor, kHashPerByte * static_cast<uint64_t>(end))),
+        collect_at_(std::max<std::size_t>(collect_at, 8)),
+        next_collect_(collect_at_) {
+    tags_.push_back({kPrim, false, false, 0, kNone, 1});
+    tags_.push_back({kBytes, false, false, 0, kNone, 1});
+    tags_.push_back({kBuffer, false, false, 0, kNone, 1});
+    tags_.push_back({kStr, false, false, 0, kNone, 1});
   }
 
   // Returns (code, offset, payload); payload is None unless code == kOk.
@@ -467,6 +482,7 @@ class Analyzer {
   // The analysis.
   bool alive_ = true;
   bool deferred_ = false;
+  uint64_t hash_left_;  // semantics._Hashing.left
   int error_code_ = kOk;
   std::size_t error_pos_ = 0;
   std::vector<Tag> tags_;
@@ -477,6 +493,7 @@ class Analyzer {
   py::dict pair_index_;
   std::vector<py::object> pairs_;  // (module, qualname) tuples, in order of first appearance
   std::vector<uint8_t> called_, instantiated_, mutated_;
+  std::vector<uint8_t> unprotected_;  // the pair is in semantics._UNPROTECTED
   std::vector<uint32_t> mutated_order_;
   std::size_t collect_at_;
   std::size_t next_collect_;
@@ -548,39 +565,86 @@ class Analyzer {
   std::size_t fence() const { return fences_.empty() ? 0 : fences_.back(); }
   std::size_t frame_size() const { return stack_.size() - fence(); }
 
-  uint32_t new_tag(uint8_t kind, uint32_t ref, uint32_t depth) {
-    tags_.push_back({kind, false, depth, ref});
+  uint32_t new_tag(uint8_t kind, uint32_t ref, uint32_t depth, uint64_t size = 1) {
+    tags_.push_back({kind, false, false, depth, ref, size});
     return static_cast<uint32_t>(tags_.size() - 1);
   }
 
-  // _container's depth for the tags stack_[from, to); false (and dead) if too deep.
-  bool container_depth(std::size_t from, std::size_t to, std::size_t pos, uint32_t* out) {
+  // _container: depth and expanded size of a container of the tags stack_[from, to), which are now nested;
+  // false (and dead) if too deep.
+  bool container(std::size_t from, std::size_t to, std::size_t pos, uint32_t* depth_out, uint64_t* size_out) {
     uint32_t depth = 0;
+    uint64_t size = 1;
     for (std::size_t i = from; i < to; ++i) {
-      depth = std::max(depth, tags_[stack_[i]].depth);
+      Tag& item = tags_[stack_[i]];
+      item.nested = true;
+      depth = std::max(depth, item.depth);
+      size = add_size(size, item.size);
     }
     if (depth >= kMaxDepth) {
       die(kTooDeep, pos);
       return false;
     }
-    *out = depth + 1;
+    *depth_out = depth + 1;
+    *size_out = size;
     return true;
   }
 
-  // _grow: the target's depth after adding the tags stack_[from, to).
-  bool grow(uint32_t target, std::size_t from, std::size_t to, std::size_t pos) {
-    uint32_t depth = tags_[target].depth;
-    for (std::size_t i = from; i < to; ++i) {
-      const uint32_t item = tags_[stack_[i]].depth;
-      if (item >= depth) {
-        depth = item + 1;
-      }
+  // _result: a call's result tag; kNone (and dead) if it nests a deque or defaultdict too deep.
+  uint32_t result(uint32_t pair, uint32_t depth, uint64_t size, std::size_t pos) {
+    if (depth > kMaxUnprotectedDepth && unprotected_[pair]) {
+      die(kTooDeep, pos);
+      return kNone;
     }
-    if (depth > kMaxDepth) {
+    return new_tag(kResult, pair, depth, size);
+  }
+
+  // _grow: the target receives the tags stack_[from, to), which are now nested.
+  bool grow(uint32_t target, std::size_t from, std::size_t to, std::size_t pos) {
+    if (tags_[target].nested) {
+      die(kRefused, pos);
+      return false;
+    }
+    uint32_t depth = tags_[target].depth;
+    uint64_t size = tags_[target].size;
+    for (std::size_t i = from; i < to; ++i) {
+      Tag& item = tags_[stack_[i]];
+      item.nested = true;
+      if (item.depth >= depth) {
+        depth = item.depth + 1;
+      }
+      size = add_size(size, item.size);
+    }
+    Tag& tag = tags_[target];
+    if (depth > kMaxDepth || (tag.kind == kResult && depth > kMaxUnprotectedDepth && unprotected_[tag.ref])) {
       die(kTooDeep, pos);
       return false;
     }
-    tags_[target].depth = depth;
+    tag.depth = depth;
+    tag.size = size;
+    return true;
+  }
+
+  // _Hashing.charge: the unpickler hashes every `step`-th of the tags stack_[from, to).
+  bool charge_hashing(std::size_t from, std::size_t to, std::size_t step, std::size_t pos) {
+    uint64_t spent = 0;
+    for (std::size_t i = from; i < to; i += step) {
+      spent = add_size(spent, tags_[stack_[i]].size);
+    }
+    if (spent > hash_left_) {
+      die(kTooDeep, pos);
+      return false;
+    }
+    hash_left_ -= spent;
+    return true;
+  }
+
+  // _name_pair: a global's names are at most kMaxNameLength characters.
+  bool name_fits(const py::object& name, std::size_t pos) {
+    if (static_cast<std::size_t>(PyUnicode_GET_LENGTH(name.ptr())) > kMaxNameLength) {
+      die(kMalformed, pos);
+      return false;
+    }
     return true;
   }
 
@@ -669,6 +733,11 @@ class Analyzer {
     }
     const auto index = static_cast<uint32_t>(pairs_.size());
     pair_index_[pair] = py::int_(index);
+    PyObject* module_name = PyTuple_GET_ITEM(pair.ptr(), 0);
+    PyObject* qualname = PyTuple_GET_ITEM(pair.ptr(), 1);
+    unprotected_.push_back(PyUnicode_CompareWithASCIIString(module_name, "collections") == 0 &&
+                           (PyUnicode_CompareWithASCIIString(qualname, "deque") == 0 ||
+                            PyUnicode_CompareWithASCIIString(qualname, "defaultdict") == 0));
     pairs_.push_back(pair);
     called_.push_back(0);
     instantiated_.push_back(0);
@@ -770,25 +839,29 @@ class Analyzer {
         }
         const uint32_t pair = tags_[func].ref;
         called_[pair] = 1;
-        const uint32_t result = new_tag(kResult, pair, tags_[args].depth + 1);
+        tags_[args].nested = true;
+        const uint32_t made = result(pair, tags_[args].depth + 1, add_size(tags_[args].size, 1), start);
+        if (made == kNone) {
+          return;
+        }
         stack_.pop_back();
-        stack_.back() = result;
+        stack_.back() = made;
         return;
       }
       case 0x85:
       case 0x86:
-      case 0x87: {  // TUPLE1, TUPLE2, TUPLE3: stack[-n:] = [tuple] (fewer items if the frame has fewer)
-        const std::size_t want = op == 0x85 ? 1 : op == 0x86 ? 2 : 3;
-        const std::size_t n = std::min(want, frame);
-        uint32_t depth = 0;
-        if (!container_depth(size - n, size, start, &depth)) {
-          return;
-        }
-        if (op == 0x85 && n == 0) {  // stack[-1] = ... on an empty frame
+      case 0x87: {  // TUPLE1, TUPLE2, TUPLE3: stack[-n:] = [tuple]; the frame must hold n items
+        const std::size_t n = op == 0x85 ? 1 : op == 0x86 ? 2 : 3;
+        if (frame < n) {
           return die(kMalformed, start);
         }
+        uint32_t depth = 0;
+        uint64_t tuple_size = 1;
+        if (!container(size - n, size, start, &depth, &tuple_size)) {
+          return;
+        }
         stack_.resize(size - n);
-        stack_.push_back(new_tag(kTuple, kNone, depth));
+        stack_.push_back(new_tag(kTuple, kNone, depth, tuple_size));
         return;
       }
       case '(':  // MARK
@@ -806,13 +879,17 @@ class Analyzer {
           return die(kMalformed, start);
         }
         uint32_t depth = 0;
-        if (!container_depth(from, size, start, &depth)) {
+        uint64_t made_size = 1;
+        if (!container(from, size, start, &depth, &made_size)) {
+          return;
+        }
+        if ((op == 'd' && !charge_hashing(from, size, 2, start)) || (op == 0x91 && !charge_hashing(from, size, 1, start))) {
           return;
         }
         stack_.resize(from);
         fences_.pop_back();
         const uint8_t kind = op == 't' ? kTuple : op == 'l' ? kList : op == 'd' ? kDict : kFrozenset;
-        stack_.push_back(new_tag(kind, kNone, depth));
+        stack_.push_back(new_tag(kind, kNone, depth, made_size));
         return;
       }
       case 0x93: {  // STACK_GLOBAL
@@ -825,7 +902,11 @@ class Analyzer {
           return die(kRefused, start);
         }
         const uint32_t module_text = module.ref, name_text = name.ref;
-        const uint32_t pair = intern_pair(text(module_text), text(name_text));
+        py::object module_name = text(module_text), qualname = text(name_text);
+        if (!name_fits(module_name, start) || !name_fits(qualname, start)) {
+          return;
+        }
+        const uint32_t pair = intern_pair(std::move(module_name), std::move(qualname));
         stack_.resize(size - 2);
         stack_.push_back(new_tag(kGlobal, pair, 0));
         return;
@@ -862,6 +943,9 @@ class Analyzer {
         if (!mutate(target, bit, own, from, size, start)) {
           return;
         }
+        if ((op == 'u' && !charge_hashing(from, size, 2, start)) || (op == 0x90 && !charge_hashing(from, size, 1, start))) {
+          return;
+        }
         stack_.resize(from);
         return;
       }
@@ -874,6 +958,9 @@ class Analyzer {
         const uint32_t target = stack_[size - n - 1];
         if (!mutate(target, op == 's' ? kSetitemBit : kAppendBit, op == 's' ? kDict : kList, size - n, size,
                     start)) {
+          return;
+        }
+        if (op == 's' && !charge_hashing(size - 2, size - 1, 1, start)) {
           return;
         }
         stack_.resize(size - n);
@@ -918,9 +1005,21 @@ class Analyzer {
         }
         const uint32_t pair = tags_[cls].ref;
         instantiated_[pair] = 1;
-        const uint32_t result = new_tag(kResult, pair, tags_[args].depth + 1);
+        uint32_t depth = tags_[args].depth;
+        uint64_t made_size = add_size(tags_[args].size, 1);
+        tags_[args].nested = true;
+        if (op == 0x92) {
+          Tag& kwargs = tags_[stack_[size - 1]];
+          kwargs.nested = true;
+          depth = std::max(depth, kwargs.depth);
+          made_size = add_size(made_size, kwargs.size);
+        }
+        const uint32_t made = result(pair, depth + 1, made_size, start);
+        if (made == kNone) {
+          return;
+        }
         stack_.resize(top_index - 2);
-        stack_.push_back(result);
+        stack_.push_back(made);
         return;
       }
       case 'o': {  // OBJ: MARK cls arg1 ... argN OBJ
@@ -934,12 +1033,17 @@ class Analyzer {
         const uint32_t pair = tags_[stack_[from]].ref;
         called_[pair] = 1;
         uint32_t depth = 0;
-        if (!container_depth(from + 1, size, start, &depth)) {
+        uint64_t args_size = 1;
+        if (!container(from + 1, size, start, &depth, &args_size)) {
+          return;
+        }
+        const uint32_t made = result(pair, depth, args_size, start);
+        if (made == kNone) {
           return;
         }
         stack_.resize(from);
         fences_.pop_back();
-        stack_.push_back(new_tag(kResult, pair, depth));
+        stack_.push_back(made);
         return;
       }
       case 'c':
@@ -959,7 +1063,11 @@ class Analyzer {
         if (name == nullptr) {
           return;
         }
-        const uint32_t pair = intern_pair(std::move(module_object), py::reinterpret_steal<py::object>(name));
+        py::object name_object = py::reinterpret_steal<py::object>(name);
+        if (!name_fits(module_object, start) || !name_fits(name_object, start)) {
+          return;
+        }
+        const uint32_t pair = intern_pair(std::move(module_object), std::move(name_object));
         if (op == 'c') {
           stack_.push_back(new_tag(kGlobal, pair, 0));
           return;
@@ -970,12 +1078,17 @@ class Analyzer {
         const std::size_t from = fence();
         called_[pair] = 1;
         uint32_t depth = 0;
-        if (!container_depth(from, size, start, &depth)) {
+        uint64_t args_size = 1;
+        if (!container(from, size, start, &depth, &args_size)) {
+          return;
+        }
+        const uint32_t made = result(pair, depth, args_size, start);
+        if (made == kNone) {
           return;
         }
         stack_.resize(from);
         fences_.pop_back();
-        stack_.push_back(new_tag(kResult, pair, depth));
+        stack_.push_back(made);
         return;
       }
       case '2':  // DUP

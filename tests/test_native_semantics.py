@@ -199,6 +199,35 @@ G = b"cbuiltins\nobject\n"
 SG = b"\x8c\x08builtins\x8c\x06object\x93"
 DEEP = 5_000
 
+
+def deques(n: int) -> bytes:
+    """deque([deque([... n deep ...])]), each filled before it is nested (bottom-up, as pickle writes it): the
+    outermost is n + 2 levels deep (a deque of an empty tuple is 2)."""
+    deque = b"\x8c\x0bcollections\x8c\x05deque\x93\x94"
+    stream = deque + b")R"
+    for _ in range(n):
+        stream = deque + b")R" + b"(" + stream + b"e"
+    return stream + b"."
+
+
+def defaultdicts(n: int) -> bytes:
+    """defaultdict(None, {0: defaultdict(None, {0: ...})}) n deep, bottom-up."""
+    made = b"\x8c\x0bcollections\x8c\x0bdefaultdict\x93N\x85R"
+    stream = made
+    for _ in range(n):
+        stream = made + b"K\x00" + stream + b"s"
+    return stream + b"."
+
+
+def dag(k: int) -> bytes:
+    """t0 = (); t_i = (t_{i-1}, t_{i-1}): 2**k elements from 5k bytes, memo entry k - 1 is t_{k-1}... (t_k on
+    the stack, unmemoized)."""
+    stream = b")"
+    for i in range(k):
+        stream += b"\x94h" + bytes([i]) + b"\x86"
+    return stream
+
+
 CASES: dict[str, tuple[bytes, int]] = {
     "reduce-on-a-list": (b"])R.", REFUSED),
     "reduce-on-a-result": (G + b")R)R.", REFUSED),
@@ -244,14 +273,44 @@ CASES: dict[str, tuple[bytes, int]] = {
     "readonly-bytes": (b"C\x01x\x98.", OK),
     "tuple2-short-frame": (b"N(N\x86.", MALFORMED),  # accepted by the analysis, the STOP then fails
     "tuple2-short-frame-closed": (b"N(N\x86t.", MALFORMED),
-    "tuple3-over-a-mark": (b"NN(N\x87l00.", OK),  # TUPLE3 takes the one item above the MARK
+    "tuple3-over-a-mark": (b"NN(N\x87l00.", MALFORMED),  # as the C unpickler: "unexpected MARK found"
+    "tuple2-on-an-empty-frame": (b"NN(\x86l0.", MALFORMED),
+    "tuple2-over-a-mark": (b"NN(N\x86l0.", MALFORMED),
     "pop-the-mark": (b"N(0.", MALFORMED),  # the walk keeps the MARK (and refuses STOP), the analysis pops it
     "pop-below-mark": (b"N(00.", MALFORMED),
     "memoize-empty-frame": (b"N(\x94.", MALFORMED),
     "too-deep-tuple1": (b")" + b"\x85" * DEEP + b".", TOO_DEEP),
     "deep-tuple1-ok": (b")" + b"\x85" * (DEEP - 1) + b".", OK),
-    "self-append": (b"]\x94" + b"h\x00a" * (DEEP + 1) + b".", TOO_DEEP),
-    "self-append-ok": (b"]\x94" + b"h\x00a" * (DEEP - 1) + b".", OK),
+    # The cost model (semantics' Note [The cost model]).
+    "self-append": (b"]\x94" + b"h\x00a" * (DEEP + 1) + b".", REFUSED),  # filled after it was nested
+    "self-append-once": (b"]\x94h\x00a.", OK),
+    "self-append-twice": (b"]\x94h\x00ah\x00a.", REFUSED),
+    "fill-after-nesting": (b"]\x94]h\x00a0h\x00Na.", REFUSED),
+    "setitem-after-nesting": (b"}\x94]h\x00a0h\x00NNs.", REFUSED),
+    "additems-after-nesting": (b"\x8f\x94]h\x00a0h\x00(N\x90.", REFUSED),
+    "build-after-nesting": (G + b")R\x94]h\x00a0h\x00}b.", REFUSED),
+    "top-down-chain": (b"]\x94]\x94a0h\x01]\x94a0h\x02]a.", REFUSED),
+    "fill-before-nesting": (b"]\x94Na0]h\x00a.", OK),
+    "deque-deep-ok": (deques(198), OK),
+    "deque-too-deep": (deques(199), TOO_DEEP),
+    "defaultdict-too-deep": (defaultdicts(199), TOO_DEEP),
+    "defaultdict-deep-ok": (defaultdicts(198), OK),
+    "deque-of-deep-args": (b"\x8c\x0bcollections\x8c\x05deque\x93" + b")" + b"\x85" * 200 + b"\x85R.", TOO_DEEP),
+    "newobj-ex-deep-kwargs": (b"]" + G + b")(N)" + b"\x85" * (DEEP - 3) + b"d\x92a.", TOO_DEEP),
+    "newobj-ex-kwargs-ok": (b"]" + G + b")(N)" + b"\x85" * (DEEP - 4) + b"d\x92a.", OK),
+    "hash-dag-key": (b"}" + dag(40) + b"Ns.", TOO_DEEP),
+    "hash-dag-member": (b"(" + dag(40) + b"\x91.", TOO_DEEP),
+    "hash-dag-dict-key": (b"(" + dag(40) + b"Nd.", TOO_DEEP),
+    "hash-dag-additems": (b"\x8f(" + dag(40) + b"\x90.", TOO_DEEP),
+    "dag-not-hashed": (b"]" + dag(40) + b"a.", OK),
+    "hash-repeated-key": (b"}" + dag(12) + b"Ns" + b"h\x0bNs" * 300 + b".", TOO_DEEP),
+    "hash-small-keys": (b"}" + dag(12) + b"Ns" + b"h\x0bNs" * 100 + b".", OK),
+    "long-module-name": (b"c" + b"m" * 1025 + b"\nx\n.", MALFORMED),
+    "long-qualname": (b"cm\n" + b"x" * 1025 + b"\n.", MALFORMED),
+    "long-names-ok": (b"c" + b"m" * 1024 + b"\n" + b"x" * 1024 + b"\n.", OK),
+    "long-stack-global-name": (b"\x8c\x01mX\x01\x04\x00\x00" + b"x" * 1025 + b"\x93.", MALFORMED),
+    "long-unicode-name-ok": (b"\x8c\x01mX\x00\x08\x00\x00" + "\u00e9".encode() * 1024 + b"\x93.", OK),
+    "long-unicode-name": (b"\x8c\x01mX\x02\x08\x00\x00" + "\u00e9".encode() * 1025 + b"\x93.", MALFORMED),
     "unicode-escape": (b"Vbuiltins\nVobj\\u0065ct\n\x93.", OK),
     "bad-unicode-escape": (b"V\\u12\n.", MALFORMED),
     "surrogate": (b"\x8c\x03\xed\xa0\x80.", OK),

@@ -142,16 +142,26 @@ BLOCKED_NAMES = frozenset(
 )  # fmt: skip
 
 
+_LONGEST_BLOCKED = max(map(len, BLOCKED_MODULES))
+
+
 @functools.lru_cache(maxsize=4096)
 def _module_blocked(module: str) -> bool:
-    parts = module.split(".")
-    return any(".".join(parts[:i]) in BLOCKED_MODULES for i in range(1, len(parts) + 1))
+    """Whether ``module`` or a package above it is blocked. Linear in the name: only the prefixes that end at a
+    dot (or at the end) and are no longer than the longest blocked module can match, and each is sliced once
+    (a name from a stream can be megabytes of dots; checking every prefix by joining its parts was quadratic)."""
+    end = module.find(".")
+    while 0 <= end <= _LONGEST_BLOCKED:
+        if module[:end] in BLOCKED_MODULES:
+            return True
+        end = module.find(".", end + 1, _LONGEST_BLOCKED + 1)
+    return len(module) <= _LONGEST_BLOCKED and module in BLOCKED_MODULES
 
 
 @functools.lru_cache(maxsize=4096)
 def _name_blocked(pair: tuple[str, str]) -> bool:
     module, qualname = pair
-    return pair in BLOCKED_NAMES or _module_blocked(module) or (module, qualname.split(".")[0]) in BLOCKED_NAMES
+    return pair in BLOCKED_NAMES or _module_blocked(module) or (module, qualname.partition(".")[0]) in BLOCKED_NAMES
 
 
 @functools.lru_cache(maxsize=1)

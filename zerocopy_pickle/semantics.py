@@ -22,7 +22,15 @@ will hold is known exactly. The analysis refuses, with the byte offset:
 * APPEND(S) except on a list built by opcodes or a call's result, SETITEM(S) except on a dict or a call's
   result, ADDITEMS except on a set or a call's result;
 * STACK_GLOBAL whose names are not string literals, extension codes (EXT1/2/4), persistent IDs;
-* values nested deeper than :data:`MAX_DEPTH` (hashing a deeply nested tuple recurses in C without a limit).
+* filling a container, or setting an object's state, after the value was put into another one (see Note [The
+  cost model]): what pickle itself writes only for a reference cycle, and what lets a stream nest values
+  deeper than any depth it was charged for.
+
+and it enforces the cost model (Note [The cost model]), raising :class:`~zerocopy_pickle.errors.SnapshotError`
+for values nested deeper than :data:`MAX_DEPTH` (hashing a deeply nested tuple recurses in C without a limit),
+deques and defaultdicts nested deeper than :data:`MAX_UNPROTECTED_DEPTH`, names longer than
+:data:`MAX_NAME_LENGTH`, and a stream that makes the unpickler hash more than its budget of elements
+(:data:`HASH_FLOOR`, :data:`HASH_PER_BYTE`).
 
 What remains depends on the allow-list and is decided per load by
 :meth:`zerocopy_pickle.restricted.AllowList.admit` from the returned :class:`StreamUses`: which globals are
@@ -39,11 +47,37 @@ from typing import Any
 from . import streamcheck
 from .errors import RestrictedLoadError, SnapshotError
 
-__all__ = ["MAX_DEPTH", "StreamUses", "analyze", "forget", "uses"]
+__all__ = [
+    "ANALYSIS_CACHE_BYTES",
+    "HASH_FLOOR",
+    "HASH_PER_BYTE",
+    "MAX_DEPTH",
+    "MAX_NAME_LENGTH",
+    "MAX_UNPROTECTED_DEPTH",
+    "StreamUses",
+    "analyze",
+    "forget",
+    "uses",
+]
 
 MAX_DEPTH = 5_000
 """Deepest nesting of values a restricted load accepts. pickle.dump itself stops near the recursion limit
 (1,000 by default); hashing a tuple nested 150,000 deep overflows the C stack."""
+MAX_UNPROTECTED_DEPTH = 200
+"""Deepest nesting of a ``collections.deque`` or ``collections.defaultdict`` (counting every level below it).
+CPython frees these two without its "trashcan" (which turns a deep chain of lists, dicts, tuples, sets and
+instances into a loop), so freeing a chain of them recurses in C: 100,000 defaultdicts crash an 8 MiB stack,
+and a thread's stack can be far smaller."""
+MAX_NAME_LENGTH = 1_024
+"""Longest module name, and longest qualified name, of a global (in characters). The longest in torch,
+transformers and diffusers are under 120."""
+HASH_FLOOR = 1 << 20
+"""Elements the unpickler may hash (dict keys, set and frozenset members, counted expanded: a tuple of n items
+costs 1 + theirs) in any restricted load, whatever its stream's size."""
+HASH_PER_BYTE = 4
+"""Elements it may hash per byte of stream, above :data:`HASH_FLOOR`."""
+_SIZE_CAP = 1 << 62  # expanded sizes saturate here (the native twin counts in 64 bits)
+_UNPROTECTED = frozenset({("collections", "deque"), ("collections", "defaultdict")})
 
 BUILD, SETITEM, APPEND, ADD = "build", "setitem", "append", "add"
 
@@ -65,15 +99,19 @@ _KIND_NAMES = (
 
 
 class _Tag:
-    """Where a stack value came from. Containers' ``depth`` is their nesting so far."""
+    """Where a stack value came from. Containers' ``depth`` is their nesting so far, ``size`` their expanded
+    size so far (1 for a value that holds no other; a container 1 + its items', counting a value every time it
+    is referenced), ``nested`` whether it was put into another value (see Note [The cost model])."""
 
-    __slots__ = ("built", "depth", "kind", "pair")
+    __slots__ = ("built", "depth", "kind", "nested", "pair", "size")
 
-    def __init__(self, kind: int, pair: Any = None, depth: int = 0) -> None:
+    def __init__(self, kind: int, pair: Any = None, depth: int = 0, size: int = 1) -> None:
         self.kind = kind
         self.pair = pair  # a global's (module, qualname); a string's text (None if unknown)
         self.depth = depth
+        self.size = size
         self.built = False  # BUILD has set state on it (see Note [One BUILD, and nothing appended after it])
+        self.nested = False
 
     def describe(self) -> str:
         if self.kind in (_GLOBAL, _RESULT) and self.pair is not None:
@@ -123,21 +161,95 @@ def _too_deep(pos: int) -> SnapshotError:
     )
 
 
+def _too_deep_unprotected(pos: int, pair: tuple[str, str]) -> SnapshotError:
+    return SnapshotError(
+        f"the pickle stream nests values more than {MAX_UNPROTECTED_DEPTH} levels deep below a "
+        f"{pair[0]}.{pair[1]} (at byte {pos}); CPython frees that type recursively, so freeing a deep chain of "
+        f"them would overflow the C stack"
+    )
+
+
+def _filled_late(pos: int, opcode: str, target: _Tag) -> RestrictedLoadError:
+    return _refuse(
+        pos,
+        f"{opcode} fills {target.describe()} after it was put into another value (pickle writes that only for "
+        f"a reference cycle; it would let the stream nest values deeper than the analysis can bound)",
+    )
+
+
+def _long_name(pos: int, what: str, name: str) -> SnapshotError:
+    return SnapshotError(
+        f"the pickle stream names a global whose {what} is {len(name)} characters long (at byte {pos}); a "
+        f"restricted load accepts names of at most {MAX_NAME_LENGTH}"
+    )
+
+
+def _name_pair(module: str, qualname: str, pos: int) -> tuple[str, str]:
+    if len(module) > MAX_NAME_LENGTH:
+        raise _long_name(pos, "module name", module)
+    if len(qualname) > MAX_NAME_LENGTH:
+        raise _long_name(pos, "qualified name", qualname)
+    return module, qualname
+
+
 def _container(kind: int, items: list[_Tag], pos: int) -> _Tag:
-    depth = max([item.depth for item in items], default=0)
+    depth = 0
+    size = 1
+    for item in items:
+        item.nested = True
+        if item.depth > depth:  # noqa: PLR1730 - cheaper than max() on this hot path
+            depth = item.depth
+        size += item.size
     if depth >= MAX_DEPTH:
         raise _too_deep(pos)
-    return _Tag(kind, None, depth + 1)
+    return _Tag(kind, None, depth + 1, min(size, _SIZE_CAP))
 
 
-def _grow(target: _Tag, items: list[_Tag], pos: int) -> None:
+def _result(pair: tuple[str, str], depth: int, size: int, pos: int) -> _Tag:
+    """The tag of what calling ``pair`` returns, its arguments ``depth`` deep and ``size`` large."""
+    if depth > MAX_UNPROTECTED_DEPTH and pair in _UNPROTECTED:
+        raise _too_deep_unprotected(pos, pair)
+    return _Tag(_RESULT, pair, depth, min(size, _SIZE_CAP))
+
+
+def _grow(target: _Tag, items: list[_Tag], pos: int, opcode: str) -> None:
+    if target.nested:
+        raise _filled_late(pos, opcode, target)
     depth = target.depth
+    size = target.size
     for item in items:
+        item.nested = True
         if item.depth >= depth:
             depth = item.depth + 1
+        size += item.size
     if depth > MAX_DEPTH:
         raise _too_deep(pos)
+    if target.kind == _RESULT and depth > MAX_UNPROTECTED_DEPTH and target.pair in _UNPROTECTED:
+        raise _too_deep_unprotected(pos, target.pair)
     target.depth = depth
+    target.size = min(size, _SIZE_CAP)
+
+
+class _Hashing:
+    """The elements the unpickler will hash, counted against the stream's budget (Note [The cost model])."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, stream_nbytes: int) -> None:
+        self.left = max(HASH_FLOOR, HASH_PER_BYTE * stream_nbytes)
+
+    def charge(self, items: list[_Tag], step: int, pos: int) -> None:
+        spent = 0
+        for item in items[::step]:
+            spent += item.size
+        self.left -= spent
+        if self.left < 0:
+            raise SnapshotError(
+                f"the pickle stream makes the unpickler hash more elements than its budget allows (at byte {pos}: "
+                f"dict keys and set members, counted with everything they hold, each time a memo reference "
+                f"repeats them); a restricted load hashes at most max({HASH_FLOOR}, {HASH_PER_BYTE} x the "
+                f"stream's size in bytes)"
+            )
 
 
 def _line(data: bytes, pos: int) -> tuple[bytes, int]:
@@ -166,6 +278,7 @@ def analyze(stream: bytes) -> StreamUses:
     buffers = 0
     from_bytes = int.from_bytes
     strings: dict[bytes, _Tag] = {}
+    hashing = _Hashing(end)
     start = 0
     try:
         while pos < end:
@@ -199,12 +312,14 @@ def analyze(stream: bytes) -> StreamUses:
                 if args.kind != _TUPLE:
                     raise _refuse(start, f"REDUCE passes {args.describe()} as the argument tuple")
                 called.add(func.pair)
-                stack[-1] = _Tag(_RESULT, func.pair, args.depth + 1)
+                args.nested = True
+                stack[-1] = _result(func.pair, args.depth + 1, args.size + 1, start)
             elif op == 0x85:  # TUPLE1
-                depth = stack[-1].depth
-                if depth >= MAX_DEPTH:
+                item = stack[-1]
+                if item.depth >= MAX_DEPTH:
                     raise _too_deep(start)
-                stack[-1] = _Tag(_TUPLE, None, depth + 1)
+                item.nested = True
+                stack[-1] = _Tag(_TUPLE, None, item.depth + 1, min(item.size + 1, _SIZE_CAP))
             elif op == 0x28:  # MARK
                 metastack.append(stack)
                 stack = []
@@ -213,12 +328,14 @@ def analyze(stream: bytes) -> StreamUses:
                 stack.append(_BUFFER_TAG)
             elif op == 0x86:  # TUPLE2
                 second = stack.pop()
-                depth = stack[-1].depth
+                first = stack[-1]
+                depth = first.depth
                 if second.depth > depth:  # noqa: PLR1730 - cheaper than max() on this hot path
                     depth = second.depth
                 if depth >= MAX_DEPTH:
                     raise _too_deep(start)
-                stack[-1] = _Tag(_TUPLE, None, depth + 1)
+                first.nested = second.nested = True
+                stack[-1] = _Tag(_TUPLE, None, depth + 1, min(first.size + second.size + 1, _SIZE_CAP))
             elif op in (0x88, 0x89, 0x4E):  # NEWTRUE, NEWFALSE, NONE
                 stack.append(_PRIM_TAG)
             elif op == 0x74:  # TUPLE
@@ -226,13 +343,15 @@ def analyze(stream: bytes) -> StreamUses:
                 stack = metastack.pop()
                 stack.append(_container(_TUPLE, items, start))
             elif op == 0x87:  # TUPLE3
+                if len(stack) < 3:
+                    raise SnapshotError(f"the pickle stream is malformed at byte {start}: TUPLE3 needs 3 items")
                 stack[-3:] = [_container(_TUPLE, stack[-3:], start)]
             elif op == 0x93:  # STACK_GLOBAL
                 name = stack.pop()
                 module = stack.pop()
                 if module.kind != _STR or name.kind != _STR or module.pair is None or name.pair is None:
                     raise _refuse(start, "STACK_GLOBAL takes its names from values that are not string literals")
-                pair = (module.pair, name.pair)
+                pair = _name_pair(module.pair, name.pair, start)
                 found[pair] = None
                 stack.append(_Tag(_GLOBAL, pair))
             elif op in (0x71, 0x72):  # BINPUT, LONG_BINPUT
@@ -287,10 +406,12 @@ def analyze(stream: bytes) -> StreamUses:
                 if len(items) % 2:
                     raise SnapshotError(f"the pickle stream is malformed at byte {start}: odd number of SETITEMS items")
                 _mutate(stack[-1], SETITEM, _DICT, items, start, mutated)
+                hashing.charge(items, 2, start)
             elif op == 0x73:  # SETITEM
                 value = stack.pop()
                 key = stack.pop()
                 _mutate(stack[-1], SETITEM, _DICT, [key, value], start, mutated)
+                hashing.charge([key], 1, start)
             elif op == 0x65:  # APPENDS
                 items = stack
                 stack = metastack.pop()
@@ -302,6 +423,7 @@ def analyze(stream: bytes) -> StreamUses:
                 items = stack
                 stack = metastack.pop()
                 _mutate(stack[-1], ADD, _SET, items, start, mutated)
+                hashing.charge(items, 1, start)
             elif op == 0x62:  # BUILD
                 state = stack.pop()
                 inst = stack[-1]
@@ -315,8 +437,9 @@ def analyze(stream: bytes) -> StreamUses:
                     raise _refuse(start, f"a second BUILD sets state on {inst.describe()}")
                 inst.built = True
                 mutated.setdefault(inst.pair, set()).add(BUILD)
-                _grow(inst, [state], start)
+                _grow(inst, [state], start, "BUILD")
             elif op in (0x81, 0x92):  # NEWOBJ, NEWOBJ_EX
+                kwargs = _PRIM_TAG
                 if op == 0x92:
                     kwargs = stack.pop()
                     if kwargs.kind != _DICT:
@@ -328,13 +451,17 @@ def analyze(stream: bytes) -> StreamUses:
                 if args.kind != _TUPLE:
                     raise _refuse(start, f"NEWOBJ passes {args.describe()} as the argument tuple")
                 instantiated.add(cls.pair)
-                stack.append(_Tag(_RESULT, cls.pair, args.depth + 1))
+                args.nested = kwargs.nested = True
+                depth = args.depth if args.depth > kwargs.depth else kwargs.depth
+                size = args.size + 1 + (kwargs.size if op == 0x92 else 0)
+                stack.append(_result(cls.pair, depth + 1, size, start))
             elif op == 0x64:  # DICT
                 items = stack
                 stack = metastack.pop()
                 if len(items) % 2:
                     raise SnapshotError(f"the pickle stream is malformed at byte {start}: odd number of DICT items")
                 stack.append(_container(_DICT, items, start))
+                hashing.charge(items, 2, start)
             elif op == 0x6C:  # LIST
                 items = stack
                 stack = metastack.pop()
@@ -343,6 +470,7 @@ def analyze(stream: bytes) -> StreamUses:
                 items = stack
                 stack = metastack.pop()
                 stack.append(_container(_FROZENSET, items, start))
+                hashing.charge(items, 1, start)
             elif op == 0x6F:  # OBJ: MARK cls arg1 ... argN OBJ
                 items = stack
                 stack = metastack.pop()
@@ -350,11 +478,12 @@ def analyze(stream: bytes) -> StreamUses:
                     what = items[0].describe() if items else "nothing"
                     raise _refuse(start, f"OBJ instantiates {what}; only a named class may be")
                 called.add(items[0].pair)
-                stack.append(_Tag(_RESULT, items[0].pair, _container(_TUPLE, items[1:], start).depth))
+                args = _container(_TUPLE, items[1:], start)
+                stack.append(_result(items[0].pair, args.depth, args.size, start))
             elif op in (0x63, 0x69):  # GLOBAL, INST: "module\nname\n" inline
                 module_text, pos = _line(data, pos)
                 name_text, pos = _line(data, pos)
-                pair = (module_text.decode("utf-8"), name_text.decode("utf-8"))
+                pair = _name_pair(module_text.decode("utf-8"), name_text.decode("utf-8"), start)
                 found[pair] = None
                 if op == 0x63:
                     stack.append(_Tag(_GLOBAL, pair))
@@ -362,7 +491,8 @@ def analyze(stream: bytes) -> StreamUses:
                     items = stack
                     stack = metastack.pop()
                     called.add(pair)
-                    stack.append(_Tag(_RESULT, pair, _container(_TUPLE, items, start).depth))
+                    args = _container(_TUPLE, items, start)
+                    stack.append(_result(pair, args.depth, args.size, start))
             elif op == 0x32:  # DUP
                 stack.append(stack[-1])
             elif op == 0x30:  # POP: the top value, or the MARK when the frame is empty (as the C unpickler does)
@@ -436,13 +566,15 @@ def _mutate(
             raise _refuse(pos, f"{opcode} follows BUILD on {target.describe()}")
         mutated.setdefault(target.pair, set()).add(op)
     elif target.kind != own_kind:
-        opcode = {SETITEM: "SETITEM(S)", APPEND: "APPEND(S)", ADD: "ADDITEMS"}[op]
         raise _refuse(
             pos,
-            f"{opcode} applies to {target.describe()}; pickle's containers are filled only when they are "
+            f"{_OPCODES[op]} applies to {target.describe()}; pickle's containers are filled only when they are "
             f"{_KIND_NAMES[own_kind]} built by the stream or an object this load created",
         )
-    _grow(target, items, pos)
+    _grow(target, items, pos, _OPCODES[op])
+
+
+_OPCODES = {SETITEM: "SETITEM(S)", APPEND: "APPEND(S)", ADD: "ADDITEMS"}
 
 
 # The native helper reports mutated ops as bits (csrc/zerocopy_native.cpp, analyze_stream).
@@ -478,14 +610,50 @@ def _from_native(payload: tuple[Any, ...]) -> StreamUses:
 
 # Note [Where the analysis may differ from the C unpickler]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Only on streams the C unpickler refuses at that very opcode, before running anything after it: TUPLE3 over a
-# frame with fewer than three items (sliced here, "unexpected MARK found" there), a PUT with a negative text
-# index (stored here, refused there). The tags of every stream the C unpickler runs to the end are exact. A
-# call's result counts one level deeper than its arguments (and may reach MAX_DEPTH + 1 itself); whatever
-# contains it is checked. The native twin (csrc/, analyze_stream) reproduces these choices exactly.
+# Only on streams the C unpickler refuses at that very opcode, before running anything after it: a PUT with a
+# negative text index (stored here, refused there). TUPLE2 and TUPLE3 over a frame with fewer items are refused
+# here as there. The tags of every stream the C unpickler runs to the end are exact. A call's result counts one
+# level deeper than its arguments (and may reach MAX_DEPTH + 1 itself); whatever contains it is checked. The
+# native twin (csrc/, analyze_stream) reproduces these choices exactly.
 
 
-_ANALYSED: streamcheck.DigestCache[StreamUses] = streamcheck.DigestCache()
+# Note [The cost model]
+# ~~~~~~~~~~~~~~~~~~~~~
+# What a restricted load may cost is linear in its input (docs/security.md, "What a load may cost"). Three
+# things in what the C unpickler does are not linear in the stream by themselves, and the analysis bounds each:
+#
+# * Nesting. Freeing, hashing and comparing a value recurse in C over its nesting. A container's depth is
+#   known when it is put into another only if nothing is added to it afterwards, so a container that was put
+#   into another value (`nested`) may not be filled or receive state any more (pickle writes that only for
+#   a reference cycle: the object is referenced from inside itself before its own items follow). With that
+#   rule every depth is exact, bounded by MAX_DEPTH, and by MAX_UNPROTECTED_DEPTH below the two types CPython
+#   frees recursively.
+# * Expansion. A memo reference costs two bytes and repeats a whole value: t1 = (t0, t0), t2 = (t1, t1), ...
+#   is 2**k elements from 5k bytes. Each tag carries its expanded `size` (exact by the rule above; saturating
+#   at _SIZE_CAP), and every value the unpickler hashes (dict keys, set and frozenset members, whatever
+#   SETITEM(S) and ADDITEMS hand an object's __setitem__ and add) is charged its size against one budget per
+#   stream: HASH_FLOOR, or HASH_PER_BYTE per byte of stream. (Comparing happens only between keys of equal
+#   hash, and costs at most what hashing the smaller one did.) The safe set's functions charge what they walk
+#   or copy to the load's other budget (zerocopy_pickle.validate.charge).
+# * Names. GLOBAL and STACK_GLOBAL names are at most MAX_NAME_LENGTH characters, and every check of a name is
+#   linear in it (zerocopy_pickle.restricted._module_blocked).
+#
+# Everything else the analysis does is a constant amount of work per opcode, and its memory is a tag per
+# value the stream creates.
+
+
+def _held(found: StreamUses) -> int:
+    """About what a remembered analysis holds, in bytes (a tuple and two strings per global, a set entry per
+    use): what bounds the analysis cache (:data:`ANALYSIS_CACHE_BYTES`)."""
+    names = sum(len(module) + len(qualname) for module, qualname in found.globals)
+    entries = len(found.globals) + len(found.called) + len(found.instantiated) + 2 * len(found.mutated)
+    return names + 200 * entries
+
+
+ANALYSIS_CACHE_BYTES = 32 << 20
+"""What the analyses remembered for streams loaded again hold at most, all together (and at most 512 of them);
+an analysis over a quarter of it is not remembered."""
+_ANALYSED: streamcheck.DigestCache[StreamUses] = streamcheck.DigestCache(max_bytes=ANALYSIS_CACHE_BYTES, cost=_held)
 
 
 def uses(stream: bytes) -> StreamUses:

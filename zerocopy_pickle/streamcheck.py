@@ -416,12 +416,18 @@ class DigestCache(Generic[T]):
     """Verdicts on streams, remembered by each stream's BLAKE2b digest (least recently used first out).
 
     A digest, not a file name, so a changed stream is always checked again; a cryptographic one, so no stream
-    can pose as a checked one. Thread-safe; the verdict is computed outside the lock.
+    can pose as a checked one. Thread-safe; the verdict is computed outside the lock. Bounded in entries and,
+    when ``cost`` says what a verdict holds in bytes, in bytes: a stream naming a hundred thousand globals must
+    not leave megabytes behind after its load was refused. A verdict costing more than a quarter of
+    ``max_bytes`` is not remembered at all.
     """
 
-    def __init__(self, size: int = 512) -> None:
-        self._entries: OrderedDict[bytes, T] = OrderedDict()
+    def __init__(self, size: int = 512, *, max_bytes: int = 1 << 26, cost: Callable[[T], int] | None = None) -> None:
+        self._entries: OrderedDict[bytes, tuple[T, int]] = OrderedDict()
         self._size = size
+        self._max_bytes = max_bytes
+        self._cost = cost
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def get(self, stream: bytes | bytearray | memoryview, compute: Callable[[], T]) -> T:
@@ -431,17 +437,35 @@ class DigestCache(Generic[T]):
             known = self._entries.get(digest)
             if known is not None:
                 self._entries.move_to_end(digest)
-                return known
+                return known[0]
         result = compute()
+        cost = 64 + (self._cost(result) if self._cost is not None else 0)
+        if 4 * cost > self._max_bytes:
+            return result
         with self._lock:
-            self._entries[digest] = result
-            if len(self._entries) > self._size:
-                self._entries.popitem(last=False)
+            previous = self._entries.pop(digest, None)
+            if previous is not None:
+                self._bytes -= previous[1]
+            self._entries[digest] = (result, cost)
+            self._bytes += cost
+            while len(self._entries) > self._size or self._bytes > self._max_bytes:
+                self._bytes -= self._entries.popitem(last=False)[1][1]
         return result
+
+    @property
+    def nbytes(self) -> int:
+        """What the remembered verdicts hold, by ``cost`` (64 bytes each without it)."""
+        with self._lock:
+            return self._bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._bytes = 0
 
 
 _VALIDATED: DigestCache[int] = DigestCache()
