@@ -10,12 +10,14 @@ Usage, in a test module of the plugin's project::
 
 pytest collects the ``test_*`` methods: a round trip, repeated independent loads, a restricted load that
 needs nothing beyond the plugin's declared safe globals, a load in a fresh interpreter that never built the
-objects, and :func:`check_hostile_arguments` applied to every safe global the plugin declares. Override
-:meth:`assert_same` to compare objects your way, and :meth:`env` to give the fresh interpreter what it needs
-(a ``PYTHONPATH``).
+objects, :func:`check_hostile_arguments` applied to every safe global the plugin declares, and
+:func:`check_native_tensor_arguments` applied to every case :meth:`ReducerConformance.native_tensor_cases`
+returns. Override :meth:`assert_same` to compare objects your way, :meth:`env` to give the fresh interpreter what
+it needs (a ``PYTHONPATH``), and :attr:`ReducerConformance.fresh_imports` to name the modules a program imports
+before it loads (a plugin that never imports its library on a header's say-so needs it imported).
 
-:func:`check_hostile_arguments` is public and independent of plugins: apply it to any function a restricted load
-may call.
+:func:`check_hostile_arguments` and :func:`check_native_tensor_arguments` are public and independent of plugins:
+apply them to any function a restricted load may call.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import sys
 import textwrap
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +39,18 @@ import torch
 
 from . import snapshot
 from .discovery import resolve_name
-from .errors import RestrictedLoadError, ZeroCopyPickleError
+from .errors import RestrictedLoadError, UnsafeArgumentError, ZeroCopyPickleError
 from .registry import default_registry
 
-__all__ = ["ReducerConformance", "assert_same", "check_hostile_arguments", "hostile_values"]
+__all__ = [
+    "NativeTensorCase",
+    "ReducerConformance",
+    "assert_same",
+    "check_hostile_arguments",
+    "check_native_tensor_arguments",
+    "hostile_values",
+    "tensor_variants",
+]
 
 
 def assert_same(expected: Any, actual: Any, where: str = "obj") -> None:
@@ -367,6 +377,122 @@ def _judge_result(result: object, args: tuple[Any, ...], streams: tuple[Any, ...
     return None
 
 
+# -- tensors handed to native code -------------------------------------------------------------------------------
+
+TensorPath = tuple[int | str, ...]
+"""Where a tensor sits in an argument tuple: an index into the arguments, then dict keys or sequence indices
+(``(2, "absmax")`` is ``args[2]["absmax"]``)."""
+
+NativeTensorCase = tuple[Callable[..., Any], Sequence[Any], Iterable[TensorPath]]
+"""``(function, known-good arguments, paths of the tensors it hands to native code)``: what
+:meth:`ReducerConformance.native_tensor_cases` returns, and :func:`check_native_tensor_arguments` takes."""
+
+_SAME_SIZE_DTYPES = {
+    1: (torch.uint8, torch.int8),
+    2: (torch.float16, torch.bfloat16, torch.int16),
+    4: (torch.float32, torch.int32),
+    8: (torch.float64, torch.int64),
+}
+
+
+def tensor_variants(tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``(label, tensor)`` for every near miss :func:`check_native_tensor_arguments` tries in place of ``tensor``:
+    the same values but **one element short** and **one element long** (of its first dimension; a 0-d tensor becomes
+    1-d), of **another dtype of the same element size** (``float32`` -> ``int32``: the same bytes read as another
+    type), of **another element size** (``float32`` -> ``float64`` or ``float16``), and **not contiguous** (the same
+    shape and values every other element of a larger buffer; only for more than one element). Each is a plain
+    ``torch.Tensor`` on the same device, a fresh copy."""
+    flat = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
+    variants: list[tuple[str, torch.Tensor]] = []
+    if flat.shape[0] > 0:
+        variants.append(("one element short", flat[:-1].clone()))
+    extra = flat.new_zeros((1, *flat.shape[1:]))
+    variants.append(("one element long", torch.cat([flat, extra])))
+    size = tensor.element_size()
+    same = [d for d in _SAME_SIZE_DTYPES.get(size, ()) if d is not tensor.dtype]
+    if same:
+        variants.append((f"dtype {same[0]} (same element size)", tensor.detach().to(same[0])))
+    other = torch.float16 if size >= 4 else torch.float64
+    variants.append((f"dtype {other} (other element size)", tensor.detach().to(other)))
+    if tensor.numel() > 1:
+        wide = torch.zeros((*tensor.shape, 2), dtype=tensor.dtype, device=tensor.device)
+        wide[..., 0] = tensor.detach()
+        variants.append(("not contiguous", wide[..., 0]))
+    return variants
+
+
+def _replace(value: Any, path: Sequence[int | str], new: Any) -> Any:
+    """A copy of ``value`` (tuples, lists and dicts along ``path`` copied, nothing else) with ``new`` at ``path``."""
+    if not path:
+        return new
+    key, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        copied = type(value)(value)
+        copied[key] = _replace(value[key], rest, new)
+        return copied
+    if isinstance(value, (list, tuple)) and type(key) is int:
+        items = list(value)
+        items[key] = _replace(value[key], rest, new)
+        return type(value)(items)
+    raise AssertionError(f"path entry {key!r} does not lead into a {type(value).__qualname__}")
+
+
+def _at(value: Any, path: Sequence[int | str]) -> Any:
+    for key in path:
+        value = value[key]
+    return value
+
+
+def check_native_tensor_arguments(
+    fn: Callable[..., Any], args: Sequence[Any], tensors: Iterable[TensorPath], where: str
+) -> None:
+    """Check that ``fn`` (a function a restricted load may call) refuses every near miss of the tensors it hands to
+    native code; raise AssertionError listing the ones it accepted.
+
+    A native kernel reads a tensor from its data pointer by the size, dtype and layout it expects: a tensor one
+    element short, of a narrower dtype or with gaps between its elements has it read past the storage (other
+    heap contents flow into the results, or the process crashes). So every such tensor must be checked for
+    exactly what the kernel will read. ``args`` is a known-good argument tuple (``fn(*args)`` must succeed: the
+    check proves nothing otherwise) and ``tensors`` the paths of the tensors in it that reach native code
+    (:data:`TensorPath`: ``(2, "absmax")`` is ``args[2]["absmax"]``). For each path, every variant of
+    :func:`tensor_variants` (one element short and long, another dtype of the same and of another element size, not
+    contiguous) replaces that tensor alone, and ``fn`` must raise
+    :class:`~zerocopy_pickle.errors.UnsafeArgumentError`.
+
+    A variant the function may legitimately accept (a dtype among several it supports) is a finding here all the
+    same: pass only the paths whose size, dtype and layout are all fixed by the other arguments, or check such a
+    tensor by hand.
+
+    Example::
+
+        check_native_tensor_arguments(rebuild_quant_state, (stats, {}), [(0, "absmax"), (0, "quant_map")],
+                                      "myplugin:rebuild_quant_state")
+    """
+    fn(*args)  # the known-good arguments: must be accepted
+    failures: list[str] = []
+    count = 0
+    for given in tensors:
+        path = tuple(given)
+        assert path and type(path[0]) is int, f"{where}: a path starts with an argument index, not {path!r}"
+        original = _at(args, path)
+        assert isinstance(original, torch.Tensor), f"{where}: {path!r} is a {type(original).__qualname__}, not a tensor"
+        for label, variant in tensor_variants(original):
+            count += 1
+            try:
+                fn(*_replace(tuple(args), path, variant))
+            except UnsafeArgumentError:
+                continue
+            except Exception as e:  # the point: only this library's own refusal counts
+                failures.append(f"{where} with {path!r} {label}: raised {type(e).__name__}: {str(e)[:160]}")
+            else:
+                failures.append(f"{where} with {path!r} {label} ({tuple(variant.shape)} {variant.dtype}): accepted")
+    assert count, f"{where}: no tensor paths given"
+    if failures:
+        raise AssertionError(
+            f"{len(failures)} of {count} near-miss tensors were not refused:\n  " + "\n  ".join(failures)
+        )
+
+
 class ReducerConformance:
     """What every reducer plugin must satisfy. Subclass it (with a ``Test`` prefix) and set the attributes."""
 
@@ -377,6 +503,15 @@ class ReducerConformance:
     restricted-load test then checks that a restricted load refuses them, and the other tests load trusted."""
     factory: str = ""
     """``"module:function"`` that returns the objects to dump (importable in a fresh interpreter too)."""
+    fresh_imports: tuple[str, ...] = ()
+    """Modules the fresh interpreter imports before it loads, as a program would (``("bitsandbytes",)``: a plugin
+    whose restricted loads refuse to import its library on a header's say-so)."""
+
+    def native_tensor_cases(self) -> list[NativeTensorCase]:
+        """The safe globals that hand tensors to native code, each with known-good arguments and the paths of those
+        tensors (:func:`check_native_tensor_arguments`). None by default: override it when a rebuild function's
+        tensors reach a kernel that reads them by pointer."""
+        return []
 
     def make_objects(self) -> Any:
         return resolve_name(self.factory)()
@@ -433,10 +568,15 @@ class ReducerConformance:
             fn = registry.resolve_safe_global(module, qualname, plugins=[self.plugin])
             check_hostile_arguments(fn, f"{module}:{qualname}")
 
+    def test_native_tensors_are_checked_exactly(self) -> None:
+        for fn, args, paths in self.native_tensor_cases():
+            check_native_tensor_arguments(fn, args, paths, f"{fn.__module__}:{fn.__qualname__}")
+
     def test_fresh_interpreter_load(self, tmp_path: Path) -> None:
         path = tmp_path / "fresh.zcp"
         snapshot.dump(self.make_objects(), path)
-        code = textwrap.dedent(
+        imports = "".join(f"import {name}\n" for name in self.fresh_imports)
+        code = imports + textwrap.dedent(
             f"""
             import zerocopy_pickle as zp
             from zerocopy_pickle.discovery import resolve_name
