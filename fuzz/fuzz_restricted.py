@@ -5,7 +5,10 @@
 
 Each input drives the program generator of ``tests/test_opcode_programs.py`` (through hypothesis'
 ``fuzz_one_input``, so libFuzzer's mutations become structured programs: GLOBALs of the safe set and of the
-plugins' safe globals, BUILD, REDUCE, NEWOBJ, APPENDS, SETITEMS, DUP, POP, memo, buffers and tensor views). The
+plugins' safe globals, BUILD, REDUCE, NEWOBJ, APPENDS, SETITEMS, DUP, POP, memo, buffers and tensor views, and
+the shapes the analysis's cost model bounds: memo DAGs, keys and members hashed many times through the memo,
+nesting around MAX_DEPTH, deque/defaultdict chains, top-down filling and cycles, names around
+MAX_NAME_LENGTH). The
 program is wrapped into a snapshot and loaded with the defaults. Loading it must succeed or raise a
 ``zerocopy_pickle.ZeroCopyPickleError``, write no sentinel file and change no watched global or standard
 stream; anything else, a crash, an out-of-memory or a timeout is a finding. The process runs under
