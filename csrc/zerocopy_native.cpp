@@ -189,6 +189,10 @@ constexpr std::size_t kMaxNameLength = 1024;              // semantics.MAX_NAME_
 constexpr uint64_t kHashFloor = uint64_t(1) << 20;        // semantics.HASH_FLOOR
 constexpr uint64_t kHashPerByte = 4;                      // semantics.HASH_PER_BYTE
 constexpr uint64_t kSizeCap = uint64_t(1) << 62;          // semantics._SIZE_CAP
+constexpr uint64_t kCollisionFloor = uint64_t(1) << 25;   // semantics.COLLISION_FLOOR
+enum HashKind : uint8_t { kSecret = 0, kKnown = 1, kChosen = 2 };  // semantics._SECRET, _KNOWN, _CHOSEN
+// semantics._HASHK: a tuple's or frozenset's hash kind from the bit set of its items' (1 << kind).
+constexpr uint8_t kHashOfItems[8] = {kKnown, kSecret, kChosen, kSecret, kChosen, kChosen, kChosen, kChosen};
 
 enum Code : int { kOk = 0, kMalformed = 1, kRefused = 2, kTooDeep = 3, kDefer = 4 };
 enum Kind : uint8_t { kPrim, kStr, kBytes, kTuple, kList, kDict, kSet, kFrozenset, kGlobal, kResult, kBuffer };
@@ -287,10 +291,12 @@ constexpr OpTable kTable{};
 struct Tag {
   uint8_t kind;
   bool built;
-  bool nested;  // put into another value (semantics' Note [The cost model])
+  bool nested;    // put into another value (semantics' Note [The cost model])
+  uint8_t hashk;  // HashKind
   uint32_t depth;
-  uint32_t ref;   // kGlobal/kResult: pair index; kStr: string index (kNone: text unknown)
-  uint64_t size;  // expanded size, saturating at kSizeCap
+  uint32_t ref;     // kGlobal/kResult: pair index; kStr: string index (kNone: text unknown)
+  uint64_t size;    // expanded size, saturating at kSizeCap
+  uint64_t chosen;  // keys of chosen hash this dict or set (or object) received
 };
 
 inline uint64_t add_size(uint64_t a, uint64_t b) {  // both <= kSizeCap: no overflow
@@ -298,7 +304,8 @@ inline uint64_t add_size(uint64_t a, uint64_t b) {  // both <= kSizeCap: no over
 }
 
 // Singleton tags (never mutated: only kResult and container tags are).
-constexpr uint32_t kPrimTag = 0, kBytesTag = 1, kBufferTag = 2, kUnknownStrTag = 3;
+constexpr uint32_t kPrimTag = 0, kBytesTag = 1, kBufferTag = 2, kUnknownStrTag = 3, kChosenTag = 4;
+constexpr uint32_t kSingletons = 5;
 
 struct Text {
   std::size_t offset;
@@ -312,12 +319,14 @@ class Analyzer {
       : data_(data),
         end_(end),
         hash_left_(std::max<uint64_t>(kHashFloor, kHashPerByte * static_cast<uint64_t>(end))),
+        colliding_left_(std::max<uint64_t>(kCollisionFloor, kHashPerByte * static_cast<uint64_t>(end))),
         collect_at_(std::max<std::size_t>(collect_at, 8)),
         next_collect_(collect_at_) {
-    tags_.push_back({kPrim, false, false, 0, kNone, 1});
-    tags_.push_back({kBytes, false, false, 0, kNone, 1});
-    tags_.push_back({kBuffer, false, false, 0, kNone, 1});
-    tags_.push_back({kStr, false, false, 0, kNone, 1});
+    tags_.push_back({kPrim, false, false, kKnown, 0, kNone, 1, 0});
+    tags_.push_back({kBytes, false, false, kSecret, 0, kNone, 1, 0});
+    tags_.push_back({kBuffer, false, false, kSecret, 0, kNone, 1, 0});
+    tags_.push_back({kStr, false, false, kSecret, 0, kNone, 1, 0});
+    tags_.push_back({kPrim, false, false, kChosen, 0, kNone, 1, 0});
   }
 
   // Returns (code, offset, payload); payload is None unless code == kOk.
@@ -482,7 +491,8 @@ class Analyzer {
   // The analysis.
   bool alive_ = true;
   bool deferred_ = false;
-  uint64_t hash_left_;  // semantics._Hashing.left
+  uint64_t hash_left_;       // semantics._Hashing.left
+  uint64_t colliding_left_;  // semantics._Hashing.colliding
   int error_code_ = kOk;
   std::size_t error_pos_ = 0;
   std::vector<Tag> tags_;
@@ -505,8 +515,8 @@ class Analyzer {
   void collect() {
     std::vector<uint32_t> renumber(tags_.size(), kNone);
     std::vector<Tag> kept;
-    kept.reserve(4 + stack_.size() + memo_.size());
-    for (uint32_t i = 0; i < 4; ++i) {  // the singletons keep their numbers
+    kept.reserve(kSingletons + stack_.size() + memo_.size());
+    for (uint32_t i = 0; i < kSingletons; ++i) {  // the singletons keep their numbers
       renumber[i] = i;
       kept.push_back(tags_[i]);
     }
@@ -565,21 +575,24 @@ class Analyzer {
   std::size_t fence() const { return fences_.empty() ? 0 : fences_.back(); }
   std::size_t frame_size() const { return stack_.size() - fence(); }
 
-  uint32_t new_tag(uint8_t kind, uint32_t ref, uint32_t depth, uint64_t size = 1) {
-    tags_.push_back({kind, false, false, depth, ref, size});
+  uint32_t new_tag(uint8_t kind, uint32_t ref, uint32_t depth, uint64_t size = 1, uint8_t hashk = kSecret) {
+    tags_.push_back({kind, false, false, hashk, depth, ref, size, 0});
     return static_cast<uint32_t>(tags_.size() - 1);
   }
 
   // _container: depth and expanded size of a container of the tags stack_[from, to), which are now nested;
   // false (and dead) if too deep.
-  bool container(std::size_t from, std::size_t to, std::size_t pos, uint32_t* depth_out, uint64_t* size_out) {
+  bool container(std::size_t from, std::size_t to, std::size_t pos, uint32_t* depth_out, uint64_t* size_out,
+                 uint8_t* hashk_out = nullptr) {
     uint32_t depth = 0;
     uint64_t size = 1;
+    unsigned bits = 0;
     for (std::size_t i = from; i < to; ++i) {
       Tag& item = tags_[stack_[i]];
       item.nested = true;
       depth = std::max(depth, item.depth);
       size = add_size(size, item.size);
+      bits |= 1u << item.hashk;
     }
     if (depth >= kMaxDepth) {
       die(kTooDeep, pos);
@@ -587,6 +600,9 @@ class Analyzer {
     }
     *depth_out = depth + 1;
     *size_out = size;
+    if (hashk_out != nullptr) {
+      *hashk_out = kHashOfItems[bits];
+    }
     return true;
   }
 
@@ -596,7 +612,7 @@ class Analyzer {
       die(kTooDeep, pos);
       return kNone;
     }
-    return new_tag(kResult, pair, depth, size);
+    return new_tag(kResult, pair, depth, size, kChosen);
   }
 
   // _grow: the target receives the tags stack_[from, to), which are now nested.
@@ -625,12 +641,27 @@ class Analyzer {
     return true;
   }
 
-  // _Hashing.charge: the unpickler hashes every `step`-th of the tags stack_[from, to).
-  bool charge_hashing(std::size_t from, std::size_t to, std::size_t step, std::size_t pos) {
+  // _Hashing.charge: `target` hashes every `step`-th of the tags stack_[from, to).
+  bool charge_hashing(uint32_t target, std::size_t from, std::size_t to, std::size_t step, std::size_t pos) {
     uint64_t spent = 0;
+    uint64_t chosen = tags_[target].chosen;
+    uint64_t compared = 0;
     for (std::size_t i = from; i < to; i += step) {
-      spent = add_size(spent, tags_[stack_[i]].size);
+      const Tag& item = tags_[stack_[i]];
+      spent = add_size(spent, item.size);
+      if (item.hashk == kChosen) {
+        // chosen * size, saturating: chosen < 2**32 (one per opcode), size <= kSizeCap
+        const uint64_t cost = (item.size != 0 && chosen > kSizeCap / item.size) ? kSizeCap : chosen * item.size;
+        compared = add_size(compared, cost);
+        chosen += 1;
+      }
     }
+    tags_[target].chosen = chosen;
+    if (compared > colliding_left_) {
+      die(kTooDeep, pos);
+      return false;
+    }
+    colliding_left_ -= compared;
     if (spent > hash_left_) {
       die(kTooDeep, pos);
       return false;
@@ -783,16 +814,22 @@ class Analyzer {
       case 'K':
       case 'J':
       case 'M':
-      case 'G':
       case 0x88:
       case 0x89:
       case 'N':
-      case 0x8a:
-      case 0x8b:
-      case 'I':
-      case 'L':
-      case 'F':
         stack_.push_back(kPrimTag);
+        return;
+      case 'G':
+      case 'F':
+      case 0x8b:  // floats and LONG4: hashes the stream can choose
+        stack_.push_back(kChosenTag);
+        return;
+      case 0x8a:  // LONG1: up to 7 bytes an int hashes to itself (distinct)
+        stack_.push_back(text_length <= 7 ? kPrimTag : kChosenTag);
+        return;
+      case 'I':
+      case 'L':  // text ints: up to 16 characters below 2**55
+        stack_.push_back(text_length <= 16 ? kPrimTag : kChosenTag);
         return;
       case 0x8c:
       case 'X':
@@ -857,11 +894,12 @@ class Analyzer {
         }
         uint32_t depth = 0;
         uint64_t tuple_size = 1;
-        if (!container(size - n, size, start, &depth, &tuple_size)) {
+        uint8_t hashk = kSecret;
+        if (!container(size - n, size, start, &depth, &tuple_size, &hashk)) {
           return;
         }
         stack_.resize(size - n);
-        stack_.push_back(new_tag(kTuple, kNone, depth, tuple_size));
+        stack_.push_back(new_tag(kTuple, kNone, depth, tuple_size, hashk));
         return;
       }
       case '(':  // MARK
@@ -880,16 +918,19 @@ class Analyzer {
         }
         uint32_t depth = 0;
         uint64_t made_size = 1;
-        if (!container(from, size, start, &depth, &made_size)) {
+        uint8_t hashk = kSecret;
+        if (!container(from, size, start, &depth, &made_size, &hashk)) {
           return;
         }
-        if ((op == 'd' && !charge_hashing(from, size, 2, start)) || (op == 0x91 && !charge_hashing(from, size, 1, start))) {
+        const uint8_t kind = op == 't' ? kTuple : op == 'l' ? kList : op == 'd' ? kDict : kFrozenset;
+        const uint32_t made = new_tag(kind, kNone, depth, made_size, kind == kTuple || kind == kFrozenset ? hashk : kSecret);
+        if ((op == 'd' && !charge_hashing(made, from, size, 2, start)) ||
+            (op == 0x91 && !charge_hashing(made, from, size, 1, start))) {
           return;
         }
         stack_.resize(from);
         fences_.pop_back();
-        const uint8_t kind = op == 't' ? kTuple : op == 'l' ? kList : op == 'd' ? kDict : kFrozenset;
-        stack_.push_back(new_tag(kind, kNone, depth, made_size));
+        stack_.push_back(made);
         return;
       }
       case 0x93: {  // STACK_GLOBAL
@@ -918,7 +959,7 @@ class Analyzer {
         stack_.push_back(new_tag(kList, kNone, 1));
         return;
       case ')':
-        stack_.push_back(new_tag(kTuple, kNone, 1));
+        stack_.push_back(new_tag(kTuple, kNone, 1, 1, kKnown));
         return;
       case 0x8f:
         stack_.push_back(new_tag(kSet, kNone, 1));
@@ -943,7 +984,8 @@ class Analyzer {
         if (!mutate(target, bit, own, from, size, start)) {
           return;
         }
-        if ((op == 'u' && !charge_hashing(from, size, 2, start)) || (op == 0x90 && !charge_hashing(from, size, 1, start))) {
+        if ((op == 'u' && !charge_hashing(target, from, size, 2, start)) ||
+            (op == 0x90 && !charge_hashing(target, from, size, 1, start))) {
           return;
         }
         stack_.resize(from);
@@ -960,7 +1002,7 @@ class Analyzer {
                     start)) {
           return;
         }
-        if (op == 's' && !charge_hashing(size - 2, size - 1, 1, start)) {
+        if (op == 's' && !charge_hashing(target, size - 2, size - 1, 1, start)) {
           return;
         }
         stack_.resize(size - n);

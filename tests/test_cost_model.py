@@ -36,9 +36,9 @@ def restricted_load(stream: bytes, backend: str) -> object:
         return zp.loads(as_snapshot(stream))
 
 
-def dag(k: int) -> bytes:
-    """t0 = (); t_i = (t_{i-1}, t_{i-1}) through the memo: t_k expands to 2**(k+1) - 1 elements."""
-    stream = b")"
+def dag(k: int, leaf: bytes = b")") -> bytes:
+    """t0 = leaf; t_i = (t_{i-1}, t_{i-1}) through the memo: t_k expands to 2**(k+1) - 1 elements."""
+    stream = leaf
     for i in range(k):
         stream += b"\x94h" + bytes([i]) + b"\x86"
     return stream
@@ -111,12 +111,25 @@ def test_a_memo_dag_that_is_not_hashed_loads(backend: str) -> None:
 
 
 def test_hashing_one_key_again_and_again_is_charged_every_time(backend: str) -> None:
-    key = dag(12)  # 8191 elements, memo 11 is t_11 (4095)
+    key = dag(12, b"\x8c\x01x")  # 8191 elements, memo 11 is t_11 (4095); a string leaf: hashed by a secret
     repeats = semantics.HASH_FLOOR // 4095 + 10
     stream = b"}" + key + b"Ns" + b"h\x0bNs" * repeats + b"."
     with pytest.raises(zp.SnapshotError, match="hash more elements"):
         restricted_load(stream, backend)
     assert restricted_load(b"}" + key + b"Ns" + b"h\x0bNs" * 100 + b".", backend) is not None
+
+
+def test_keys_whose_hashes_the_stream_chooses_are_charged_for_collisions(backend: str) -> None:
+    # 20,000 ints congruent modulo 2**61 - 1 all hash alike: inserting them compares each with all before it
+    # (2 s for 233 KiB of stream, 40 s for a megabyte). Small ints hash to themselves: never charged.
+    modulus = (1 << 61) - 1
+    keys = b"".join(b"\x8a\x0a" + (5 + i * modulus).to_bytes(10, "little", signed=True) + b"N" for i in range(20_000))
+    with pytest.raises(zp.SnapshotError, match="keys whose hashes it can choose.*only trusted=True"):
+        restricted_load(b"}(" + keys + b"u.", backend)
+    small = b"".join(b"J" + i.to_bytes(4, "little", signed=True) + b"N" for i in range(20_000))
+    assert len(restricted_load(b"}(" + small + b"u.", backend)) == 20_000  # type: ignore[arg-type]
+    strings = b"".join(b"\x8c\x06" + b"%06d" % i + b"N" for i in range(20_000))
+    assert len(restricted_load(b"}(" + strings + b"u.", backend)) == 20_000  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("where", ["module", "qualname"])

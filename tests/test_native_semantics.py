@@ -305,6 +305,28 @@ CASES: dict[str, tuple[bytes, int]] = {
     "dag-not-hashed": (b"]" + dag(40) + b"a.", OK),
     "hash-repeated-key": (b"}" + dag(12) + b"Ns" + b"h\x0bNs" * 300 + b".", TOO_DEEP),
     "hash-small-keys": (b"}" + dag(12) + b"Ns" + b"h\x0bNs" * 100 + b".", OK),
+    "chosen-hash-keys": (
+        b"}(" + b"".join(b"G%sN" % i.to_bytes(8, "big") for i in range(9000)) + b"u.",
+        TOO_DEEP,
+    ),
+    "chosen-hash-keys-ok": (b"}(" + b"".join(b"G%sN" % i.to_bytes(8, "big") for i in range(8000)) + b"u.", OK),
+    "known-hash-keys": (b"}(" + b"".join(b"J%sN" % i.to_bytes(4, "little") for i in range(20000)) + b"u.", OK),
+    "chosen-tuple-members": (
+        b"(" + b"".join(b"J%sK\x01\x86" % i.to_bytes(4, "little") for i in range(9000)) + b"\x91.",
+        TOO_DEEP,
+    ),
+    "secret-tuple-members": (
+        b"(" + b"".join(b"J%s\x8c\x01x\x86" % i.to_bytes(4, "little") for i in range(20000)) + b"\x91.",
+        OK,
+    ),
+    "chosen-setitem-keys": (
+        b"}" + b"".join(b"\x8a\x08%sNs" % i.to_bytes(8, "little") for i in range(9000)) + b".",
+        TOO_DEEP,
+    ),
+    "long1-short-keys": (b"}" + b"".join(b"\x8a\x07%sNs" % i.to_bytes(7, "little") for i in range(20000)) + b".", OK),
+    "text-int-keys": (b"}" + b"".join(b"I%d\nNs" % (10**16 + i) for i in range(9000)) + b".", TOO_DEEP),
+    "text-int-short-keys": (b"}" + b"".join(b"I%d\nNs" % i for i in range(20000)) + b".", OK),
+    "result-keys": (b"}" + b"".join(G + b")RNs" for _ in range(9000)) + b".", TOO_DEEP),
     "long-module-name": (b"c" + b"m" * 1025 + b"\nx\n.", MALFORMED),
     "long-qualname": (b"cm\n" + b"x" * 1025 + b"\n.", MALFORMED),
     "long-names-ok": (b"c" + b"m" * 1024 + b"\n" + b"x" * 1024 + b"\n.", OK),

@@ -49,6 +49,7 @@ from .errors import RestrictedLoadError, SnapshotError
 
 __all__ = [
     "ANALYSIS_CACHE_BYTES",
+    "COLLISION_FLOOR",
     "HASH_FLOOR",
     "HASH_PER_BYTE",
     "MAX_DEPTH",
@@ -76,6 +77,11 @@ HASH_FLOOR = 1 << 20
 costs 1 + theirs) in any restricted load, whatever its stream's size."""
 HASH_PER_BYTE = 4
 """Elements it may hash per byte of stream, above :data:`HASH_FLOOR`."""
+COLLISION_FLOOR = 1 << 25
+"""Comparisons that keys with colliding hashes may cost in any restricted load (see Note [The cost model]):
+every key whose hash the stream can choose (a float, an int beyond 2**55, a tuple or frozenset of them or of
+small ints, a call's result) costs, on insertion, the number of such keys already in its dict or set times its
+expanded size. 2**25 is about half a second of comparisons, and 8,192 such keys in one dict."""
 _SIZE_CAP = 1 << 62  # expanded sizes saturate here (the native twin counts in 64 bits)
 _UNPROTECTED = frozenset({("collections", "deque"), ("collections", "defaultdict")})
 
@@ -83,6 +89,9 @@ BUILD, SETITEM, APPEND, ADD = "build", "setitem", "append", "add"
 
 # Tag kinds.
 _PRIM, _STR, _BYTES, _TUPLE, _LIST, _DICT, _SET, _FROZENSET, _GLOBAL, _RESULT, _BUFFER = range(11)
+# How a value hashes (`hashk`): by a secret (str, bytes, buffers; also ids, and unhashable containers), to a
+# known distinct value (small ints, None, bools, the empty tuple), or to one the stream can make collide.
+_SECRET, _KNOWN, _CHOSEN = range(3)
 _KIND_NAMES = (
     "a number or constant",
     "a string",
@@ -103,15 +112,17 @@ class _Tag:
     size so far (1 for a value that holds no other; a container 1 + its items', counting a value every time it
     is referenced), ``nested`` whether it was put into another value (see Note [The cost model])."""
 
-    __slots__ = ("built", "depth", "kind", "nested", "pair", "size")
+    __slots__ = ("built", "chosen", "depth", "hashk", "kind", "nested", "pair", "size")
 
-    def __init__(self, kind: int, pair: Any = None, depth: int = 0, size: int = 1) -> None:
+    def __init__(self, kind: int, pair: Any = None, depth: int = 0, size: int = 1, hashk: int = _SECRET) -> None:
         self.kind = kind
         self.pair = pair  # a global's (module, qualname); a string's text (None if unknown)
         self.depth = depth
         self.size = size
+        self.hashk = hashk
         self.built = False  # BUILD has set state on it (see Note [One BUILD, and nothing appended after it])
         self.nested = False
+        self.chosen = 0  # keys of chosen hash this dict or set (or object) received
 
     def describe(self) -> str:
         if self.kind in (_GLOBAL, _RESULT) and self.pair is not None:
@@ -120,7 +131,8 @@ class _Tag:
         return _KIND_NAMES[self.kind]
 
 
-_PRIM_TAG = _Tag(_PRIM)
+_PRIM_TAG = _Tag(_PRIM, hashk=_KNOWN)
+_CHOSEN_TAG = _Tag(_PRIM, hashk=_CHOSEN)  # floats, and ints that may be beyond 2**55
 _BYTES_TAG = _Tag(_BYTES)
 _BUFFER_TAG = _Tag(_BUFFER)
 _UNKNOWN_STR = _Tag(_STR, None)
@@ -195,21 +207,33 @@ def _name_pair(module: str, qualname: str, pos: int) -> tuple[str, str]:
 def _container(kind: int, items: list[_Tag], pos: int) -> _Tag:
     depth = 0
     size = 1
+    hashk = 0
     for item in items:
         item.nested = True
         if item.depth > depth:  # noqa: PLR1730 - cheaper than max() on this hot path
             depth = item.depth
         size += item.size
+        hashk |= 1 << item.hashk
     if depth >= MAX_DEPTH:
         raise _too_deep(pos)
-    return _Tag(kind, None, depth + 1, min(size, _SIZE_CAP))
+    return _Tag(kind, None, depth + 1, min(size, _SIZE_CAP), _HASHK[hashk] if kind in _IMMUTABLE else _SECRET)
+
+
+_IMMUTABLE = (_TUPLE, _FROZENSET)
+# A tuple's or frozenset's hashk from the bit set of its items' (1 << hashk): chosen if any item is chosen or
+# all are known (their hashes combine into any value the stream wants), secret if a secret one is in it and no
+# chosen one, known if empty.
+_HASHK = tuple(
+    _CHOSEN if bits & (1 << _CHOSEN) or bits == 1 << _KNOWN else _KNOWN if not bits else _SECRET for bits in range(8)
+)
 
 
 def _result(pair: tuple[str, str], depth: int, size: int, pos: int) -> _Tag:
-    """The tag of what calling ``pair`` returns, its arguments ``depth`` deep and ``size`` large."""
+    """The tag of what calling ``pair`` returns, its arguments ``depth`` deep and ``size`` large (its hash is
+    the class's to choose: counted as chosen)."""
     if depth > MAX_UNPROTECTED_DEPTH and pair in _UNPROTECTED:
         raise _too_deep_unprotected(pos, pair)
-    return _Tag(_RESULT, pair, depth, min(size, _SIZE_CAP))
+    return _Tag(_RESULT, pair, depth, min(size, _SIZE_CAP), _CHOSEN)
 
 
 def _grow(target: _Tag, items: list[_Tag], pos: int, opcode: str) -> None:
@@ -233,15 +257,32 @@ def _grow(target: _Tag, items: list[_Tag], pos: int, opcode: str) -> None:
 class _Hashing:
     """The elements the unpickler will hash, counted against the stream's budget (Note [The cost model])."""
 
-    __slots__ = ("left",)
+    __slots__ = ("colliding", "left")
 
     def __init__(self, stream_nbytes: int) -> None:
         self.left = max(HASH_FLOOR, HASH_PER_BYTE * stream_nbytes)
+        self.colliding = max(COLLISION_FLOOR, HASH_PER_BYTE * stream_nbytes)
 
-    def charge(self, items: list[_Tag], step: int, pos: int) -> None:
+    def charge(self, items: list[_Tag], step: int, pos: int, target: _Tag) -> None:
+        """``target`` hashes every ``step``-th of ``items`` (its keys or members)."""
         spent = 0
+        chosen = target.chosen
+        compared = 0
         for item in items[::step]:
             spent += item.size
+            if item.hashk == _CHOSEN:
+                compared += chosen * item.size
+                chosen += 1
+        target.chosen = chosen
+        self.colliding -= compared
+        if self.colliding < 0:
+            raise SnapshotError(
+                f"the pickle stream puts more keys whose hashes it can choose into one dict or set than a "
+                f"restricted load compares (at byte {pos}: floats, large ints, tuples of numbers or objects as "
+                f"keys or members; if they all collided, inserting them would take time quadratic in their "
+                f"number); a restricted load allows max({COLLISION_FLOOR}, {HASH_PER_BYTE} x the stream's size) "
+                f"comparisons, about {_keys_allowed()} such keys in one dict; only trusted=True loads it"
+            )
         self.left -= spent
         if self.left < 0:
             raise SnapshotError(
@@ -250,6 +291,10 @@ class _Hashing:
                 f"repeats them); a restricted load hashes at most max({HASH_FLOOR}, {HASH_PER_BYTE} x the "
                 f"stream's size in bytes)"
             )
+
+
+def _keys_allowed() -> int:
+    return int((2 * COLLISION_FLOOR) ** 0.5)
 
 
 def _line(data: bytes, pos: int) -> tuple[bytes, int]:
@@ -319,7 +364,9 @@ def analyze(stream: bytes) -> StreamUses:
                 if item.depth >= MAX_DEPTH:
                     raise _too_deep(start)
                 item.nested = True
-                stack[-1] = _Tag(_TUPLE, None, item.depth + 1, min(item.size + 1, _SIZE_CAP))
+                stack[-1] = _Tag(
+                    _TUPLE, None, item.depth + 1, min(item.size + 1, _SIZE_CAP), _HASHK[1 << item.hashk]
+                )
             elif op == 0x28:  # MARK
                 metastack.append(stack)
                 stack = []
@@ -335,7 +382,13 @@ def analyze(stream: bytes) -> StreamUses:
                 if depth >= MAX_DEPTH:
                     raise _too_deep(start)
                 first.nested = second.nested = True
-                stack[-1] = _Tag(_TUPLE, None, depth + 1, min(first.size + second.size + 1, _SIZE_CAP))
+                stack[-1] = _Tag(
+                    _TUPLE,
+                    None,
+                    depth + 1,
+                    min(first.size + second.size + 1, _SIZE_CAP),
+                    _HASHK[(1 << first.hashk) | (1 << second.hashk)],
+                )
             elif op in (0x88, 0x89, 0x4E):  # NEWTRUE, NEWFALSE, NONE
                 stack.append(_PRIM_TAG)
             elif op == 0x74:  # TUPLE
@@ -365,17 +418,20 @@ def analyze(stream: bytes) -> StreamUses:
             elif op == 0x6A:  # LONG_BINGET
                 stack.append(memo[from_bytes(data[pos : pos + 4], "little")])
                 pos += 4
-            elif op in (0x4A, 0x4D, 0x47):  # BININT, BININT2, BINFLOAT
-                pos += 4 if op == 0x4A else 2 if op == 0x4D else 8
+            elif op in (0x4A, 0x4D):  # BININT, BININT2
+                pos += 4 if op == 0x4A else 2
                 stack.append(_PRIM_TAG)
-            elif op in (0x8A, 0x8B):  # LONG1, LONG4
+            elif op == 0x47:  # BINFLOAT
+                pos += 8
+                stack.append(_CHOSEN_TAG)
+            elif op in (0x8A, 0x8B):  # LONG1, LONG4 (up to 7 bytes, an int hashes to itself: distinct)
                 if op == 0x8A:
                     n = data[pos]
                     pos += 1 + n
                 else:
                     n = from_bytes(data[pos : pos + 4], "little", signed=True)
                     pos += 4 + n
-                stack.append(_PRIM_TAG)
+                stack.append(_PRIM_TAG if op == 0x8A and n <= 7 else _CHOSEN_TAG)
             elif op in (0x58, 0x8D):  # BINUNICODE, BINUNICODE8
                 width = 4 if op == 0x58 else 8
                 n = from_bytes(data[pos : pos + width], "little")
@@ -397,7 +453,7 @@ def analyze(stream: bytes) -> StreamUses:
             elif op == 0x5D:  # EMPTY_LIST
                 stack.append(_Tag(_LIST, None, 1))
             elif op == 0x29:  # EMPTY_TUPLE
-                stack.append(_Tag(_TUPLE, None, 1))
+                stack.append(_Tag(_TUPLE, None, 1, 1, _KNOWN))
             elif op == 0x8F:  # EMPTY_SET
                 stack.append(_Tag(_SET, None, 1))
             elif op == 0x75:  # SETITEMS
@@ -406,12 +462,12 @@ def analyze(stream: bytes) -> StreamUses:
                 if len(items) % 2:
                     raise SnapshotError(f"the pickle stream is malformed at byte {start}: odd number of SETITEMS items")
                 _mutate(stack[-1], SETITEM, _DICT, items, start, mutated)
-                hashing.charge(items, 2, start)
+                hashing.charge(items, 2, start, stack[-1])
             elif op == 0x73:  # SETITEM
                 value = stack.pop()
                 key = stack.pop()
                 _mutate(stack[-1], SETITEM, _DICT, [key, value], start, mutated)
-                hashing.charge([key], 1, start)
+                hashing.charge([key], 1, start, stack[-1])
             elif op == 0x65:  # APPENDS
                 items = stack
                 stack = metastack.pop()
@@ -423,7 +479,7 @@ def analyze(stream: bytes) -> StreamUses:
                 items = stack
                 stack = metastack.pop()
                 _mutate(stack[-1], ADD, _SET, items, start, mutated)
-                hashing.charge(items, 1, start)
+                hashing.charge(items, 1, start, stack[-1])
             elif op == 0x62:  # BUILD
                 state = stack.pop()
                 inst = stack[-1]
@@ -461,7 +517,7 @@ def analyze(stream: bytes) -> StreamUses:
                 if len(items) % 2:
                     raise SnapshotError(f"the pickle stream is malformed at byte {start}: odd number of DICT items")
                 stack.append(_container(_DICT, items, start))
-                hashing.charge(items, 2, start)
+                hashing.charge(items, 2, start, stack[-1])
             elif op == 0x6C:  # LIST
                 items = stack
                 stack = metastack.pop()
@@ -470,7 +526,7 @@ def analyze(stream: bytes) -> StreamUses:
                 items = stack
                 stack = metastack.pop()
                 stack.append(_container(_FROZENSET, items, start))
-                hashing.charge(items, 1, start)
+                hashing.charge(items, 1, start, stack[-1])
             elif op == 0x6F:  # OBJ: MARK cls arg1 ... argN OBJ
                 items = stack
                 stack = metastack.pop()
@@ -508,8 +564,8 @@ def analyze(stream: bytes) -> StreamUses:
             elif op in (0x80, 0x95):  # PROTO, FRAME
                 pos += 1 if op == 0x80 else 8
             elif op in (0x49, 0x4C, 0x46):  # INT, LONG, FLOAT (text)
-                _, pos = _line(data, pos)
-                stack.append(_PRIM_TAG)
+                text, pos = _line(data, pos)
+                stack.append(_PRIM_TAG if op != 0x46 and len(text) <= 16 else _CHOSEN_TAG)
             elif op == 0x53:  # STRING (text)
                 _, pos = _line(data, pos)
                 stack.append(_UNKNOWN_STR)
