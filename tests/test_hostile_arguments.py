@@ -17,7 +17,7 @@ import torch
 import zerocopy_pickle as zp
 from zerocopy_pickle import validate
 from zerocopy_pickle.plugin import default_registry
-from zerocopy_pickle.rebuild import StorageBuilder
+from zerocopy_pickle.rebuild import Placement, StorageBuilder
 from zerocopy_pickle.safeglobals import safe_table
 from zerocopy_pickle.testing import check_hostile_arguments, hostile_values
 
@@ -189,6 +189,26 @@ def test_the_loads_storage_builder_refuses_hostile_arguments() -> None:
     """``zerocopy_pickle.rebuild:rebuild_storage`` is not in the safe table: a restricted load resolves it to its own
     StorageBuilder, which a stream calls with arguments of its choosing too."""
     check_hostile_arguments(StorageBuilder(None), "zerocopy_pickle.rebuild:rebuild_storage", random_tuples=100)
+
+
+def test_the_storage_builder_with_a_load_s_placement_refuses_hostile_arguments() -> None:
+    """The builder a load makes knows its buffers and their rows (rebuild.Placement): hostile arguments beside one of
+    those buffers, and in its place, are refused the same way."""
+    own = memoryview(bytearray(16))
+    builder = StorageBuilder(None, Placement([own], ["cpu"]))
+    check_hostile_arguments(builder, "zerocopy_pickle.rebuild:rebuild_storage", random_tuples=100)
+    assert builder(own, "cpu") is builder(own, "cuda:3")  # one storage per buffer, placed by its row
+    with pytest.raises(zp.UnsafeArgumentError, match="location must be a device string"):
+        builder(own, 3)
+
+
+@pytest.mark.parametrize("pair", sorted(pair for pair, entry in safe_table().items() if entry.callable))
+def test_the_safe_set_refuses_hostile_arguments_inside_a_load_s_budget(pair: tuple[str, str]) -> None:
+    """As a restricted load calls them: with a budget, so every charge runs (it is free outside a load), and a
+    hostile value that the budget refuses is refused with this library's error too."""
+    entry = safe_table()[pair]
+    with validate.budget(0):
+        check_hostile_arguments(entry.value, f"{pair[0]}:{pair[1]}", random_tuples=50)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("pair", _quirk_safe_globals(), ids=lambda pair: pair[0] if isinstance(pair, tuple) else "")

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import math
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -37,6 +38,7 @@ from .validate import (
     charge,
     expect,
     expect_bool,
+    expect_float,
     expect_int,
     expect_int_tuple,
     expect_optional,
@@ -288,12 +290,15 @@ def safe_rebuild_meta_tensor_no_storage(dtype: Any, size: Any, stride: Any, requ
     size, stride = _shape(size, stride, where)
     if len(size) != len(stride):
         fail(where, f"size has {len(size)} dimensions but stride has {len(stride)}")
-    return torch.empty_strided(
-        size, stride, dtype=dtype, device="meta", requires_grad=_requires_grad(requires_grad, dtype, where)
-    )
+    grad = _requires_grad(requires_grad, dtype, where)
+    try:
+        return torch.empty_strided(size, stride, dtype=dtype, device="meta", requires_grad=grad)
+    except RuntimeError as e:  # a size whose product overflows int64
+        fail(where, f"torch refused the meta tensor: {str(e)[:200]}")
 
 
 _PER_TENSOR = (torch.per_tensor_affine,)
+_QUANTIZED = (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4)
 _PER_CHANNEL = (torch.per_channel_affine, torch.per_channel_affine_float_qparams)
 
 
@@ -320,83 +325,160 @@ def safe_rebuild_qtensor(
     params = expect(quantizer_params, tuple, where, "quantizer_params")
     if not params or type(params[0]) is not torch.qscheme:
         fail(where, "quantizer_params must start with a torch.qscheme")
+    if typed.dtype not in _QUANTIZED:
+        fail(where, f"the storage's dtype {typed.dtype} is not a quantized dtype")
     if params[0] in _PER_TENSOR:
         if len(params) != 3:
             fail(where, "per-tensor quantizer_params must be (qscheme, scale, zero_point)")
-        expect(params[1], float, where, "scale")
+        expect_float(expect(params[1], float, where, "scale"), where, "scale")
         expect_int(params[2], where, "zero_point", lo=-(1 << 31), hi=(1 << 31) - 1)
     elif params[0] in _PER_CHANNEL:
         if len(params) != 4:
             fail(where, "per-channel quantizer_params must be (qscheme, scales, zero_points, axis)")
-        expect(params[1], torch.Tensor, where, "scales")
-        expect(params[2], torch.Tensor, where, "zero_points")
-        expect_int(params[3], where, "axis", hi=max(len(size) - 1, 0))
+        axis = expect_int(params[3], where, "axis", hi=max(len(size) - 1, 0))
+        channels = size[axis] if size else 1
+        for value, what, dtypes in (
+            (params[1], "scales", (torch.float32, torch.float64)),
+            (params[2], "zero_points", (torch.int32, torch.int64, torch.float32, torch.float64)),
+        ):
+            qparam = _index_tensor(value, where, what)
+            if qparam.dtype not in dtypes or qparam.dim() != 1 or qparam.numel() != channels or qparam.is_meta:
+                fail(where, f"{what} must be a 1-D tensor of {channels} {' or '.join(map(str, dtypes))} values")
+            if qparam.device != typed.device:
+                fail(where, f"{what} is on {qparam.device}, the storage on {typed.device}")
     else:
         fail(where, f"unknown qscheme {params[0]}")
     # The full-size allocation torch makes first is bounded by check_view above, and charged: a stream could
     # name the same storage over and over.
     charge(math.prod(size), where)
-    tensor: torch.Tensor = torch._utils._rebuild_qtensor(
-        typed, storage_offset, size, stride, params, requires_grad, collections.OrderedDict()
-    )
+    try:
+        tensor: torch.Tensor = torch._utils._rebuild_qtensor(
+            typed, storage_offset, size, stride, params, requires_grad, collections.OrderedDict()
+        )
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        fail(where, f"the quantized tensor does not rebuild (torch refused it): {str(e)[:300]}")
     return tensor
 
 
 def _index_tensor(value: Any, where: str, what: str) -> torch.Tensor:
     if type(value) is not torch.Tensor:
         fail(where, f"{what} must be torch.Tensor, not {type(value).__qualname__}")
+    if value.layout is not torch.strided:
+        fail(where, f"{what} must be a strided tensor, not {value.layout}")
     return value
+
+
+def _private(
+    value: Any, where: str, what: str, dtypes: tuple[torch.dtype, ...], dim: int | None = None
+) -> torch.Tensor:
+    """A private, contiguous copy of an index or metadata tensor, checked (exact type, strided, dtype, dimensions,
+    holding data), and charged to the load's budget before it is made.
+
+    The tensor a stream passes is usually a view of a mapped file, and a ``MAP_PRIVATE`` mapping still shows later
+    writes to the file on every page this process has not written: indices checked in place could be rewritten
+    out of bounds a moment after the check, and ``to_dense()`` would then write out of bounds. The check reads the
+    copy, and the sparse or nested tensor is built over the copy, so what was checked is what the kernels read."""
+    tensor = _index_tensor(value, where, what)
+    if tensor.dtype not in dtypes:
+        fail(where, f"{what} has dtype {tensor.dtype}, not {' or '.join(map(str, dtypes))}")
+    if dim is not None and tensor.dim() != dim:
+        fail(where, f"{what} has {tensor.dim()} dimensions, not {dim}")
+    if tensor.is_meta:
+        fail(where, f"{what} is a meta tensor: it holds no values to check")
+    charge(tensor.numel(), where)
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def safe_rebuild_sparse_tensor(layout: Any, data: Any) -> torch.Tensor:
     """``torch._utils._rebuild_sparse_tensor`` with its invariants checked at once (torch checks them only
-    after ``torch.load`` returns; out-of-bounds indices read out of bounds later)."""
+    after ``torch.load`` returns; out-of-bounds indices read out of bounds later), on private copies of the
+    indices (:func:`_private`; the values stay views: no later write to them reaches outside the tensor)."""
     where = "torch._utils:_rebuild_sparse_tensor"
     expect(layout, torch.layout, where, "layout")
     data = expect(data, tuple, where, "data")
     if layout == torch.sparse_coo:
         if len(data) not in (3, 4):
             fail(where, "COO data must be (indices, values, size[, is_coalesced])")
-        indices = _index_tensor(data[0], where, "indices")
+        _index_tensor(data[0], where, "indices")
         values = _index_tensor(data[1], where, "values")
         size = expect_int_tuple(data[2], where, "size")
         coalesced = expect_optional(data[3], bool, where, "is_coalesced") if len(data) == 4 else None
-        charge(indices.numel() + values.numel(), where)
-        return torch.sparse_coo_tensor(indices, values, size, check_invariants=True, is_coalesced=coalesced)
+        charge(values.numel(), where)
+        indices = _private(data[0], where, "indices", (torch.int64,), dim=2)
+        try:
+            return torch.sparse_coo_tensor(indices, values, size, check_invariants=True, is_coalesced=coalesced)
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:
+            fail(where, f"the COO tensor does not rebuild (torch refused it): {str(e)[:300]}")
     if layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
         if len(data) != 4:
             fail(where, "compressed data must be (compressed_indices, plain_indices, values, size)")
-        compressed = _index_tensor(data[0], where, "compressed_indices")
-        plain = _index_tensor(data[1], where, "plain_indices")
+        _index_tensor(data[0], where, "compressed_indices")
+        _index_tensor(data[1], where, "plain_indices")
         values = _index_tensor(data[2], where, "values")
         size = expect_int_tuple(data[3], where, "size")
-        charge(compressed.numel() + plain.numel() + values.numel(), where)
-        return torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout, check_invariants=True)
+        if data[0].dtype is not data[1].dtype:
+            fail(where, f"compressed_indices ({data[0].dtype}) and plain_indices ({data[1].dtype}) differ in dtype")
+        charge(values.numel(), where)
+        compressed = _private(data[0], where, "compressed_indices", _INDEX_DTYPES)
+        plain = _private(data[1], where, "plain_indices", _INDEX_DTYPES)
+        try:
+            return torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout, check_invariants=True)
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:
+            fail(where, f"the compressed sparse tensor does not rebuild (torch refused it): {str(e)[:300]}")
     return fail(where, f"unknown sparse layout {layout}")
 
 
+_MAX_NESTED_BUFFER = 1 << 56
+"""Most elements a nested tensor's buffer may have: with at most 64 dimensions, no sum of a component's offset and
+its ``(size - 1) * stride`` terms (each checked to stay below the buffer) can overflow int64."""
+
+
 def safe_rebuild_nested_tensor(buffer: Any, sizes: Any, strides: Any, storage_offsets: Any) -> torch.Tensor:
-    """``torch._utils._rebuild_nested_tensor``, with every component checked to lie inside the buffer."""
+    """``torch._utils._rebuild_nested_tensor``, with every component checked to lie inside the buffer, on private
+    copies of ``sizes``, ``strides`` and ``storage_offsets`` (:func:`_private`: the nested tensor keeps the copies,
+    so a later write to the file cannot move a component outside the buffer); the buffer stays a view."""
     where = "torch._utils:_rebuild_nested_tensor"
     buffer = _index_tensor(buffer, where, "buffer")
-    sizes = _index_tensor(sizes, where, "sizes")
-    strides = _index_tensor(strides, where, "strides")
-    offsets = _index_tensor(storage_offsets, where, "storage_offsets")
+    for value, what in ((sizes, "sizes"), (strides, "strides"), (storage_offsets, "storage_offsets")):
+        _index_tensor(value, where, what)
     if buffer.dim() != 1 or not buffer.is_contiguous():
         fail(where, "buffer must be a contiguous 1-D tensor")
-    if sizes.dtype != torch.int64 or strides.dtype != torch.int64 or offsets.dtype != torch.int64:
-        fail(where, "sizes, strides and storage_offsets must be int64 tensors")
-    if sizes.dim() != 2 or strides.shape != sizes.shape or offsets.shape != sizes.shape[:1]:
+    if buffer.is_meta:
+        fail(where, "buffer is a meta tensor")
+    numel = buffer.numel()
+    if numel > _MAX_NESTED_BUFFER:
+        fail(where, f"buffer has {numel} elements (at most {_MAX_NESTED_BUFFER})")
+    sizes = _private(sizes, where, "sizes", (torch.int64,), dim=2)
+    strides = _private(strides, where, "strides", (torch.int64,), dim=2)
+    offsets = _private(storage_offsets, where, "storage_offsets", (torch.int64,), dim=1)
+    if sizes.device.type != "cpu" or strides.device.type != "cpu" or offsets.device.type != "cpu":
+        fail(where, "sizes, strides and storage_offsets must be CPU tensors")
+    if strides.shape != sizes.shape or offsets.shape != sizes.shape[:1]:
         fail(where, "sizes and strides must be (n, d) tensors and storage_offsets an (n,) tensor")
+    if sizes.shape[1] > MAX_DIMS:
+        fail(where, f"components have {sizes.shape[1]} dimensions (at most {MAX_DIMS})")
     if bool((sizes < 0).any()) or bool((strides < 0).any()) or bool((offsets < 0).any()):
         fail(where, "sizes, strides and storage_offsets must not be negative")
-    charge(sizes.numel() + strides.numel() + offsets.numel(), where)
     if sizes.shape[0]:
-        empty = (sizes == 0).any(dim=1)
-        last = offsets + ((sizes - 1).clamp(min=0) * strides).sum(dim=1)
-        if bool(((last >= buffer.numel()) & ~empty).any()):
-            fail(where, f"a component reaches past the buffer's {buffer.numel()} elements")
-    return torch._nested_view_from_buffer(buffer, sizes, strides, offsets)
+        filled = ~(sizes == 0).any(dim=1)  # components with at least one element
+        if bool(filled.any()):
+            # Each term (size - 1) * stride of a filled component must stay below the buffer: checked as
+            # size - 1 <= (numel - 1) // stride, which cannot overflow, before any product is formed.
+            limit = max(numel - 1, 0) // strides.clamp(min=1)
+            beyond = ((sizes - 1 > limit) & (strides > 0)).any(dim=1) | (offsets >= numel)
+            if numel == 0 or bool((beyond & filled).any()):
+                fail(where, f"a component reaches past the buffer's {numel} elements")
+            terms = torch.where(filled.unsqueeze(1), sizes - 1, 0).clamp(min=0) * strides
+            last = offsets + terms.sum(dim=1)
+            if bool(((last >= numel) & filled).any()):
+                fail(where, f"a component reaches past the buffer's {numel} elements")
+    try:
+        return torch._nested_view_from_buffer(buffer, sizes, strides, offsets)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        fail(where, f"the nested tensor does not rebuild (torch refused it): {str(e)[:300]}")
 
 
 _TENSOR_META = type(torch.Tensor)
@@ -452,8 +534,9 @@ def safe_rebuild_wrapper_subclass(
 def safe_rebuild_memory_format(name: Any) -> torch.memory_format:
     """:func:`zerocopy_pickle.rebuild.rebuild_memory_format`: a memory format by name, from a fixed table."""
     where = "zerocopy_pickle.rebuild:rebuild_memory_format"
+    charge(len(expect_str(name, where, "name", max_len=64)), where)
     try:
-        return rebuild.MEMORY_FORMATS[expect_str(name, where, "name", max_len=64)]
+        return rebuild.MEMORY_FORMATS[name]
     except KeyError:
         fail(where, f"{name!r:.60} is not a torch memory format")
 
@@ -525,6 +608,12 @@ def safe_parameter(data: Any = None, requires_grad: Any = True) -> torch.nn.Para
 _TENSOR_REBUILDERS: frozenset[Callable[..., Any]] = frozenset()  # filled below, once the functions exist
 
 
+@functools.cache
+def _signature(func: Callable[..., Any]) -> inspect.Signature:
+    """The signature of one of this table's rebuilders (cached: computing one costs tens of microseconds)."""
+    return inspect.signature(func)
+
+
 def safe_rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> torch.Tensor:
     """``torch._tensor._rebuild_from_type_v2``: ``func`` must be one of this table's tensor rebuilders (never any
     other callable); ``new_type`` a tensor class the load resolved (the safe set's or the caller's)."""
@@ -536,6 +625,12 @@ def safe_rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -
     if not issubclass(new_type, torch.Tensor):
         fail(where, f"new_type {new_type.__qualname__} is not a tensor class")
     expect(args, tuple, where, "args")
+    if len(args) > 8:  # every rebuilder takes at most 8 arguments
+        fail(where, f"args has {len(args)} entries (at most 8)")
+    try:
+        _signature(func).bind(*args)
+    except TypeError as e:
+        fail(where, f"args do not fit {func.__name__}: {e}")
     result = func(*args)
     if type(result) is not new_type:
         result = result.as_subclass(new_type)
@@ -577,8 +672,9 @@ def _layouts() -> dict[str, torch.layout]:
 def safe_get_layout(name: Any) -> torch.layout:
     """``torch.serialization._get_layout``: a layout by its name, from a fixed table."""
     where = "torch.serialization:_get_layout"
+    charge(len(expect_str(name, where, "name", max_len=64)), where)
     try:
-        return _layouts()[expect_str(name, where, "name", max_len=64)]
+        return _layouts()[name]
     except KeyError:
         fail(where, f"{name!r} is not a torch layout")
 
@@ -591,42 +687,61 @@ def safe_size(dims: Any = ()) -> torch.Size:
 def safe_device(kind: Any, index: Any = None) -> torch.device:
     """``torch.device(kind[, index])``: a device string and an optional index."""
     where = "torch:device"
-    expect_str(kind, where, "type", max_len=64)
+    charge(len(expect_str(kind, where, "type", max_len=64)), where)
     if index is not None:
         expect_int(index, where, "index", hi=1 << 16)
     try:
         return torch.device(kind) if index is None else torch.device(kind, index)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError, TypeError) as e:
         fail(where, f"{kind!r:.60} is not a device: {e}")
 
 
 # -- containers and primitives -------------------------------------------------------------------------------------
 
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+_CONSTANT = (type(None), bool, float, complex)
+"""Plain data whose hashing and comparing cost a constant; ``int``, ``str`` and ``bytes`` cost their length."""
+MAX_PLAIN_DEPTH = 8
+"""How deep tuples may nest in the plain data the container constructors take."""
 
 
-def _plain(value: Any, where: str, what: str, depth: int = 0) -> None:
-    """Refuse anything but plain data: None, bools, numbers, strings, bytes and (shallow) tuples of them. What
-    these constructors receive in a real stream is that; anything else would have its ``__hash__`` or ``__eq__``
-    run (set members, dict keys) or would sit in a container pickle fills with its own opcodes anyway."""
-    if type(value) in _PLAIN:
-        return
-    if type(value) is tuple and depth < 8:
-        for item in value:
+def _plain(items: Iterable[Any], where: str, what: str, depth: int = 0) -> None:
+    """Refuse anything among ``items`` but plain data: None, bools, numbers, strings, bytes and tuples of them nested
+    at most :data:`MAX_PLAIN_DEPTH` deep. What these constructors receive in a real stream is that; anything else
+    would have its ``__hash__`` or ``__eq__`` run (set members, dict keys) or would sit in a container pickle fills
+    with its own opcodes anyway.
+
+    ``items`` is a list or tuple (or a dict's keys) whose own length the caller has charged; this charges the rest of
+    what reading, hashing and comparing them costs, before anything hashes them: every element of every nested tuple
+    as it is reached (a memo DAG of wide tuples, ``t2 = (t1,) * 1000`` over ``t1 = (x,) * 1000``, costs a few bytes
+    of stream per level but a walk or a hash visits every path: the budget runs out long before the walk gets far),
+    and the length of every ``str``, ``bytes`` and ``int`` (hashing an int reads all its digits, nothing caches it,
+    and two distinct but equal strings are compared byte by byte)."""
+    size = 0
+    for item in items:
+        kind = type(item)
+        if kind is str or kind is bytes:
+            size += len(item)
+        elif kind is int:
+            size += item.bit_length() >> 3
+        elif kind is tuple and depth < MAX_PLAIN_DEPTH:
+            charge(size + len(item), where)
+            size = 0
             _plain(item, where, what, depth + 1)
-        return
-    fail(
-        where,
-        f"{what} must be plain data (None, numbers, strings, bytes, tuples of them), not {type(value).__qualname__}",
-    )
+        elif kind not in _CONSTANT:
+            fail(
+                where,
+                f"{what} must be plain data (None, numbers, strings, bytes, tuples of them nested at most "
+                f"{MAX_PLAIN_DEPTH} deep), not {kind.__qualname__}",
+            )
+    if size:
+        charge(size, where)
 
 
 def _items(value: Any, where: str) -> list[Any] | tuple[Any, ...]:
     items: list[Any] | tuple[Any, ...] = expect(value, (list, tuple), where, "iterable")
     charge(len(items), where)
-    for item in items:
-        _plain(item, where, "an item")
+    _plain(items, where, "an item")
     return items
 
 
@@ -644,7 +759,7 @@ def _pairs(items: Any, where: str) -> list[tuple[Any, Any]]:
     for pair in items:
         if type(pair) is not tuple or len(pair) != 2:
             fail(where, "items must be (key, value) tuples")
-        _plain(pair, where, "an item")
+    _plain(items, where, "an item")
     return list(items)
 
 
@@ -661,6 +776,7 @@ def safe_defaultdict(default_factory: Any = None, items: Any = ()) -> collection
     result: collections.defaultdict[Any, Any] = collections.defaultdict(factory)  # type: ignore[call-overload]
     if type(items) is not tuple or items:  # anything but the default () must be a dict
         expect(items, (dict, collections.OrderedDict), where, "items")
+        charge(len(items), where)  # before the pairs are listed
         result.update(_pairs(list(items.items()), where))
     return result
 
@@ -680,8 +796,8 @@ def safe_counter(counts: Any = None) -> collections.Counter[Any]:
         return collections.Counter()
     expect(counts, dict, where, "counts")
     charge(len(counts), where)
-    for key, count in counts.items():
-        _plain(key, where, "a key")
+    _plain(counts.keys(), where, "a key")
+    for count in counts.values():
         expect(count, int, where, "a count")
     return collections.Counter(counts)
 
@@ -697,28 +813,57 @@ def safe_frozenset(items: Any = ()) -> frozenset[Any]:
 
 
 _NUMBER = (int, float, bool)
+MAX_INT_DIGITS = 4300
+"""Most characters ``int(str)`` and digits ``str(int)`` may have here: CPython's default limit
+(``sys.int_info.default_max_str_digits``), enforced whatever this process set (both conversions cost more than
+linear time in the length)."""
+_MAX_INT_BITS = int(MAX_INT_DIGITS * math.log2(10))  # an int of at most this many bits has at most 4300 digits
 
 
-def _convert(convert: Callable[[Any], Any], value: Any, where: str) -> Any:
+def _convert(convert: Callable[..., Any], where: str, *values: Any) -> Any:
     try:
-        return convert(value)
+        return convert(*values)
     except (ValueError, OverflowError) as e:
-        fail(where, f"cannot convert {value!r:.60}: {e}")
+        shown = ", ".join(
+            f"{type(v).__qualname__} of {len(v)} characters"
+            if type(v) is str
+            else f"int of {v.bit_length()} bits"
+            if type(v) is int
+            else repr(v)
+            for v in values
+        )
+        fail(where, f"cannot convert {shown}: {str(e)[:200]}")
+
+
+def _parsed(value: Any, where: str, types: tuple[type, ...], max_len: int | None = None) -> Any:
+    """``value`` of one of ``types``; a string is charged its length (parsing reads all of it, and the stream can
+    hand the same long string to every call for a few bytes each) and refused beyond ``max_len``."""
+    expect(value, types, where, "value")
+    if type(value) is str:
+        charge(len(value), where)
+        if max_len is not None and len(value) > max_len:
+            fail(where, f"value is {len(value)} characters long (at most {max_len})")
+    return value
 
 
 def safe_int(value: Any = 0) -> int:
-    """``int(x)`` for an int, float, bool or a decimal string (Python bounds its length)."""
-    return int(_convert(int, expect(value, (*_NUMBER, str), "builtins:int", "value"), "builtins:int"))
+    """``int(x)`` for an int, float, bool or a decimal string of at most :data:`MAX_INT_DIGITS` characters."""
+    where = "builtins:int"
+    return int(_convert(int, where, _parsed(value, where, (*_NUMBER, str), MAX_INT_DIGITS)))
 
 
 def safe_float(value: Any = 0.0) -> float:
-    """``float(x)`` for an int, float, bool or string."""
-    return float(_convert(float, expect(value, (*_NUMBER, str), "builtins:float", "value"), "builtins:float"))
+    """``float(x)`` for an int, float, bool or string (charged its length)."""
+    where = "builtins:float"
+    return float(_convert(float, where, _parsed(value, where, (*_NUMBER, str))))
 
 
 def safe_complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
-    """``complex(real, imag)`` (how complex numbers pickle at every protocol)."""
-    return complex(expect(real, _NUMBER, "builtins:complex", "real"), expect(imag, _NUMBER, "builtins:complex", "imag"))
+    """``complex(real, imag)`` (how complex numbers pickle at every protocol): numbers only, never strings."""
+    where = "builtins:complex"
+    real = expect(real, _NUMBER, where, "real")
+    imag = expect(imag, _NUMBER, where, "imag")
+    return complex(_convert(complex, where, real, imag))
 
 
 def safe_bool(value: Any = False) -> bool:
@@ -727,8 +872,15 @@ def safe_bool(value: Any = False) -> bool:
 
 
 def safe_str(value: Any = "") -> str:
-    """``str(x)`` for a str, int or float."""
-    return str(expect(value, (str, int, float), "builtins:str", "value"))
+    """``str(x)`` for a str, an int of at most :data:`MAX_INT_DIGITS` digits (charged its size), or a float."""
+    where = "builtins:str"
+    expect(value, (str, int, float), where, "value")
+    if type(value) is int:
+        bits = value.bit_length()
+        charge(bits >> 3, where)
+        if bits > _MAX_INT_BITS:
+            fail(where, f"value is an int of {bits} bits (at most {_MAX_INT_BITS}: {MAX_INT_DIGITS} digits)")
+    return str(_convert(str, where, value))
 
 
 def safe_slice(start: Any = None, stop: Any = None, step: Any = None) -> slice:

@@ -43,6 +43,7 @@ __all__ = [
     "expect_str_dict",
     "expect_tensor",
     "fail",
+    "remaining",
 ]
 
 MAX_DIMS = 64
@@ -143,7 +144,7 @@ def _dtypes() -> dict[str, torch.dtype]:
 
 def dtype_from_name(name: Any, where: str, what: str = "dtype") -> torch.dtype:
     """A dtype by its name (``"float16"`` or ``"torch.float16"``), from a fixed table: never ``getattr``."""
-    expect_str(name, where, what, max_len=64)
+    charge(len(expect_str(name, where, what, max_len=64)), where)
     try:
         return _dtypes()[name]
     except KeyError:
@@ -239,6 +240,12 @@ def budget(elements: int) -> Iterator[None]:
         yield
     finally:
         _BUDGET.reset(token)
+
+
+def remaining() -> int | None:
+    """What is left of the current load's budget (None outside a restricted load): for tests and diagnostics."""
+    left = _BUDGET.get()
+    return None if left is None else left[0]
 
 
 def charge(elements: int, where: str) -> None:
