@@ -64,7 +64,7 @@ def reference_globals(stream: bytes) -> list[tuple[str, str]]:
         elif op.name == "MEMOIZE":
             memo[len(memo)] = stack[-1] if stack else None
         elif op.name in ("BINGET", "LONG_BINGET", "GET"):
-            stack.append(memo.get(arg))
+            stack.append(memo.get(arg))  # type: ignore[arg-type]
         elif op.name not in ("PROTO", "FRAME", "BINPUT", "LONG_BINPUT", "PUT"):
             stack.append(None)
     return list(found)
