@@ -53,18 +53,21 @@ import functools
 import importlib
 import json
 import math
+import sys
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from zerocopy_pickle.plugin import Registrar, Unpicklable, validate
+from zerocopy_pickle.plugin import PluginError, Registrar, SnapshotError, Unpicklable, validate
 
 fail = validate.fail
 
 # The rebuild functions and state setters below are named by every snapshot that used this quirk
 # (``zerocopy_pickle_quirks.bnb:<name>``): never rename or move one, nor change the meaning of its arguments.
 __all__ = [
+    "BitsandbytesNotImported",
+    "import_bitsandbytes",
     "rebuild_bnb_module",
     "rebuild_int8params",
     "rebuild_matmul_lt_state",
@@ -112,6 +115,8 @@ _STALE_OFFSET = "offset"
 # them from the quant state, which disagrees for a CPU-packed one: it says nested=False, quant_storage=uint8).
 _PARAMS4BIT_FIELDS = ("blocksize", "compress_statistics", "quant_type", "quant_storage", "bnb_quantized")
 _INT8PARAMS_FIELDS = ("CB", "SCB", "has_fp16_weights")
+# What set_param_state never replaces: the attributes the rebuild functions checked against the data.
+_PARAM_RESERVED = frozenset((*_PARAMS4BIT_FIELDS, *_INT8PARAMS_FIELDS, "quant_state", "module", "data"))
 
 # Instance attributes accelerate adds (accelerate.hooks._accelerate_added_attributes, plus the hook itself).
 _ACCELERATE_DEVICE_METHODS = ("to", "cuda", "npu", "xpu", "mlu", "sdaa", "musa", "neuron")
@@ -124,13 +129,44 @@ def _type_key(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+_NOT_IMPORTED = (
+    "this snapshot holds bitsandbytes objects, and this process has not imported bitsandbytes: a restricted load "
+    "never imports a library because a snapshot names it (importing bitsandbytes loads about 1,400 modules and its "
+    "native library, and registers torch operators). Run `import bitsandbytes` before loading it (or load it with "
+    "trusted=True, which imports bitsandbytes first)"
+)
+
+
+class BitsandbytesNotImported(PluginError, SnapshotError):
+    """A rebuild function of this quirk ran before the program imported bitsandbytes (a restricted load never
+    imports it). A ``PluginError`` (what is missing, and what to do), and a ``SnapshotError`` like every failure of
+    a function a restricted load calls."""
+
+
+def _bnb(name: str) -> Any:
+    """A module of bitsandbytes, which this process has already imported (its submodules come with it): the rebuild
+    functions run in restricted loads, where a hostile header alone must not make the process import a library.
+    A trusted load imports it first (:func:`import_bitsandbytes`, the load hook).
+
+    Raises:
+        BitsandbytesNotImported: bitsandbytes is not imported; the message says what to do.
+    """
+    if "bitsandbytes" not in sys.modules:
+        raise BitsandbytesNotImported(_NOT_IMPORTED, plugin="bitsandbytes", package="bitsandbytes")
+    return importlib.import_module(name)
+
+
 def _bnb_nn() -> Any:
-    """``bitsandbytes.nn.modules``, imported on first use (a load in a fresh process)."""
-    return importlib.import_module(_NN)
+    return _bnb(_NN)
 
 
 def _bnb_functional() -> Any:
-    return importlib.import_module("bitsandbytes.functional")
+    return _bnb("bitsandbytes.functional")
+
+
+def import_bitsandbytes() -> None:
+    """The load hook (trusted loads only): import bitsandbytes, which the rebuild functions need."""
+    importlib.import_module("bitsandbytes")
 
 
 def _class_arg(cls: object, names: tuple[str, ...], base: str, where: str) -> Any:
@@ -174,8 +210,16 @@ _TENSOR_STATS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 _PLAIN_STATS = ("quant_type", "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset")
 _STATS_KEYS = frozenset((*_TENSOR_STATS, *_PLAIN_STATS, *_PACKED_KEYS))
 _MAX_BLOB = 4096  # the packed JSON of the non-tensor fields is about 150 bytes
-_MAX_CODE = 256  # entries of a quantization map (16 for 4-bit, 256 for the nested 8-bit one)
 _MAX_BLOCKSIZE = 1 << 16
+# What bitsandbytes 0.50's kernels read (backends/cpu, cuda and default ops.py; functional.py):
+_CODE_4BIT = 16  # the 4-bit quantization map (quant_map), float32: the CUDA gemv indexes it by a nibble
+_CODE_8BIT = 256  # the nested 8-bit map (nested_quant_map), float32: indexed by a byte
+_BLOCKSIZES_4BIT = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # dequantize_4bit, gemv_4bit, gemm_4bit
+_NESTED_BLOCKSIZE = 256  # matmul_4bit implements nested statistics only in blocks of 256; the fused kernels assume it
+_COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # dequantize_4bit's output dtypes
+# Params4bit.quant_storage: the dtype the packed bytes are stored as (transformers' bnb_4bit_quant_storage choices).
+_QUANT_STORAGE = (torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_CPU_BLOCK_N = 32  # rows per tile of the CPU layout (_convert_weight_packed_for_cpu's block_n)
 
 
 def _quant_state_record(quant_state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -233,45 +277,66 @@ def _shape_of(value: object, where: str) -> torch.Size:
 def _quant_state_from_record(stats: object, layout: object, where: str) -> Any:
     """A ``QuantState`` built from a checked ``as_dict(packed=True)`` record, field by field (never through
     ``QuantState.from_dict``, which resolves the dtype with ``getattr(torch, <string>)``), on the device its
-    ``absmax`` was loaded to. Every check runs before bitsandbytes is imported."""
+    ``absmax`` was loaded to. Every check runs before bitsandbytes is touched.
+
+    The checks are exactly what bitsandbytes 0.50's kernels read (``backends/{cpu,cuda,default}/ops.py``), since
+    they read every statistic from its data pointer without looking at its size: for a weight of ``n`` values in
+    blocks of ``blocksize`` (one of the sizes the 4-bit kernels accept), ``absmax`` holds exactly
+    ``ceil(n / blocksize)`` entries (float32; uint8 when nested), ``quant_map`` exactly 16 float32 (the 4-bit
+    code the CUDA gemv reads by index); nested statistics hold ``ceil(blocks / 256)`` float32 ``nested_absmax``
+    entries and a 256-entry float32 ``nested_quant_map`` (indexed by a byte), blocksize 256 (the only one the
+    fused kernels implement) and dtype float32. Every tensor is dense."""
     record = validate.expect_keys(stats, _STATS_KEYS, where, "quantization statistics")
     checked_layout = _check_layout(layout, where)
     packed_for_cpu = checked_layout.get("packing_format_for_cpu") is True
     absmax = _dense(record.get("absmax"), where, "absmax", dim=2 if packed_for_cpu else 1)
-    code = _dense(record.get("quant_map"), where, "quant_map", dim=1)
-    if code.numel() > _MAX_CODE:
-        fail(where, f"quant_map has {code.numel()} entries (at most {_MAX_CODE})")
+    code = _dense(record.get("quant_map"), where, "quant_map", dim=1, dtype=torch.float32, numel=_CODE_4BIT)
     plain = _plain_stats(record, where)
     quant_type = validate.expect_choice(plain.get("quant_type"), _QUANT_TYPES, where, "quant_type")
-    blocksize = validate.expect_int(plain.get("blocksize"), where, "blocksize", 1, _MAX_BLOCKSIZE)
+    blocksize = _blocksize(plain.get("blocksize"), _BLOCKSIZES_4BIT, where, "blocksize")
     dtype = validate.dtype_from_name(plain.get("dtype"), where)
     shape = _shape_of(plain.get("shape"), where)
-    if math.prod(shape) > absmax.numel() * blocksize:
-        fail(where, f"shape {tuple(shape)} has more elements than {absmax.numel()} blocks of {blocksize} cover")
+    if not shape:
+        fail(where, "shape must have at least one dimension")
+    blocks = -(-math.prod(shape) // blocksize)
     nested_keys: list[str] = [key for key in ("nested_absmax", "nested_quant_map") if key in record]
     nested_keys += [key for key in ("nested_blocksize", "nested_dtype", "nested_offset") if key in plain]
     if packed_for_cpu:
-        _check_cpu_packed_stats(absmax, shape, blocksize, nested_keys, where)
+        _check_cpu_packed_stats(absmax, shape, blocksize, dtype, nested_keys, where)
+    elif dtype not in _COMPUTE_DTYPES:  # dequantize_4bit's output dtype
+        fail(where, f"dtype {dtype} is not one of {list(_COMPUTE_DTYPES)}")
+    elif absmax.numel() != blocks:
+        fail(
+            where, f"absmax has {absmax.numel()} entries; shape {tuple(shape)} in blocks of {blocksize} needs {blocks}"
+        )
     nested = None
     if nested_keys:
         if len(nested_keys) != 5:
             fail(where, f"nested statistics are incomplete: {sorted(nested_keys)}")
-        nested_absmax = _dense(record["nested_absmax"], where, "nested_absmax", dim=1)
-        nested_code = _dense(record["nested_quant_map"], where, "nested_quant_map", dim=1)
-        if nested_code.numel() > _MAX_CODE:
-            fail(where, f"nested_quant_map has {nested_code.numel()} entries (at most {_MAX_CODE})")
-        nested_blocksize = validate.expect_int(plain["nested_blocksize"], where, "nested_blocksize", 1, _MAX_BLOCKSIZE)
+        if absmax.dtype is not torch.uint8:
+            fail(where, f"nested absmax holds bytes (uint8), not {absmax.dtype}")
+        nested_blocksize = _blocksize(plain["nested_blocksize"], (_NESTED_BLOCKSIZE,), where, "nested_blocksize")
+        nested_blocks = -(-blocks // nested_blocksize)
+        nested_absmax = _dense(
+            record["nested_absmax"], where, "nested_absmax", dim=1, dtype=torch.float32, numel=nested_blocks
+        )
+        nested_code = _dense(
+            record["nested_quant_map"], where, "nested_quant_map", dim=1, dtype=torch.float32, numel=_CODE_8BIT
+        )
         nested_dtype = validate.dtype_from_name(plain["nested_dtype"], where, "nested_dtype")
+        if nested_dtype is not torch.float32:
+            fail(where, f"nested_dtype must be float32 (the absmax it restores), not {nested_dtype}")
         nested_offset = validate.expect_float(plain["nested_offset"], where, "nested_offset")
-        if absmax.numel() > nested_absmax.numel() * nested_blocksize:
-            fail(where, "absmax has more entries than the nested statistics cover")
         nested = (nested_absmax, nested_code, nested_blocksize, nested_dtype, nested_offset)
+    elif not packed_for_cpu and absmax.dtype is not torch.float32:
+        fail(where, f"absmax must be float32 (the kernels read it as float), not {absmax.dtype}")
+    validate.charge(absmax.numel() + code.numel() + (0 if nested is None else nested[0].numel() + _CODE_8BIT), where)
     device = absmax.device
     quant_state_cls = _bnb_functional().QuantState
     offset = state2 = None
     if nested is not None:
         nested_absmax, nested_code, nested_blocksize, nested_dtype, nested_offset = nested
-        offset = torch.tensor(nested_offset).to(device)
+        offset = torch.tensor(nested_offset, dtype=torch.float32, device=device)
         state2 = quant_state_cls(
             absmax=nested_absmax.to(device), blocksize=nested_blocksize, code=nested_code.to(device), dtype=nested_dtype
         )
@@ -289,24 +354,51 @@ def _quant_state_from_record(stats: object, layout: object, where: str) -> Any:
     return quant_state
 
 
-def _dense(value: object, where: str, what: str, *, dim: int) -> torch.Tensor:
-    """An exact tensor of ``dim`` dimensions whose elements lie one after another in memory: bitsandbytes' kernels
-    read statistics and packed weights from their data pointer as dense arrays, and a view with zero or larger
-    strides (which still fits its storage) would have them read past it."""
-    tensor = validate.expect_tensor(value, where, what, dim=dim)
+def _blocksize(value: object, sizes: tuple[int, ...], where: str, what: str) -> int:
+    """A block size among ``sizes`` (the ones bitsandbytes' kernels implement)."""
+    validate.expect_int(value, where, what, 1, _MAX_BLOCKSIZE)
+    if value not in sizes:
+        fail(where, f"{what} {value} is not one the kernels support ({list(sizes)})")
+    assert isinstance(value, int)
+    return value
+
+
+def _dense(
+    value: object,
+    where: str,
+    what: str,
+    *,
+    dim: int | None,
+    dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
+    numel: int | None = None,
+) -> torch.Tensor:
+    """An exact tensor of ``dim`` dimensions (of ``dtype`` and exactly ``numel`` elements, when given) whose elements
+    lie one after another in memory: bitsandbytes' kernels read statistics and packed weights from their data
+    pointer as dense arrays of a fixed type and size, and a view with zero or larger strides (which still fits its
+    storage), a shorter tensor or a narrower dtype would have them read past it."""
+    tensor = validate.expect_tensor(value, where, what, dim=dim, dtype=dtype)
     if not tensor.is_contiguous():
         fail(where, f"{what} is not contiguous (strides {tensor.stride()} for shape {tuple(tensor.shape)})")
+    if numel is not None and tensor.numel() != numel:
+        fail(where, f"{what} has {tensor.numel()} elements, not exactly {numel}")
     return tensor
 
 
 def _check_cpu_packed_stats(
-    absmax: torch.Tensor, shape: torch.Size, blocksize: int, nested_keys: list[str], where: str
+    absmax: torch.Tensor, shape: torch.Size, blocksize: int, dtype: torch.dtype, nested_keys: list[str], where: str
 ) -> None:
     """The statistics of a weight in bitsandbytes' CPU layout (``_convert_weight_packed_for_cpu``, on CPUs with
-    AVX512-BF16): for an ``(N, K)`` weight, ``absmax`` is ``(K // blocksize, N)`` bfloat16 and the nested
-    statistics are folded into it. The CPU kernel indexes it by those sizes, so they must be exact."""
-    if len(shape) != 2 or shape[1] % blocksize:
-        fail(where, f"a CPU-packed weight's shape must be (N, K) with K a multiple of {blocksize}, not {tuple(shape)}")
+    AVX512-BF16): for an ``(N, K)`` weight (``N`` a multiple of the layout's 32-row tiles), ``absmax`` is
+    ``(K // blocksize, N)`` bfloat16, the dtype bfloat16, and the nested statistics are folded into it. The CPU
+    kernel indexes it by those sizes, so they must be exact."""
+    if len(shape) != 2 or shape[1] % blocksize or shape[0] % _CPU_BLOCK_N:
+        fail(
+            where,
+            f"a CPU-packed weight's shape must be (N, K) with N a multiple of {_CPU_BLOCK_N} and K of {blocksize}, "
+            f"not {tuple(shape)}",
+        )
+    if dtype is not torch.bfloat16:
+        fail(where, f"a CPU-packed state's dtype is bfloat16, not {dtype}")
     expected = (shape[1] // blocksize, shape[0])
     if tuple(absmax.shape) != expected or absmax.dtype is not torch.bfloat16:
         found = f"{absmax.dtype} {tuple(absmax.shape)}"
@@ -323,9 +415,13 @@ def _check_layout(layout: object, where: str) -> dict[str, Any]:
         if name == _NO_STATE2:
             checked[name] = validate.expect_bool(value, where, name)
         elif name == _STALE_OFFSET:
-            checked[name] = validate.expect_tensor(value, where, name)
+            checked[name] = _dense(value, where, name, dim=0, dtype=torch.float32)
         elif name in ("original_dtype", "original_storage_type"):
-            checked[name] = validate.expect_optional(value, torch.dtype, where, name)
+            dtype = validate.expect_optional(value, torch.dtype, where, name)
+            allowed = _COMPUTE_DTYPES if name == "original_dtype" else _QUANT_STORAGE
+            if dtype is not None and dtype not in allowed:
+                fail(where, f"{name} {dtype} is not one of {list(allowed)}")
+            checked[name] = dtype
         elif name == "original_qshape":
             checked[name] = torch.Size(validate.expect_int_tuple(value, where, name))
         else:
@@ -383,11 +479,13 @@ def _params4bit_attrs(attrs: object, where: str) -> dict[str, Any]:
     checked: dict[str, Any] = {}
     for name, value in table.items():
         if name == "blocksize":
-            checked[name] = validate.expect_int(value, where, name, 1, _MAX_BLOCKSIZE)
+            checked[name] = _blocksize(value, _BLOCKSIZES_4BIT, where, name)
         elif name == "quant_type":
             checked[name] = validate.expect_choice(value, _QUANT_TYPES, where, name)
         elif name == "quant_storage":
             checked[name] = validate.expect(value, torch.dtype, where, name)
+            if value not in _QUANT_STORAGE:
+                fail(where, f"quant_storage {value} is not one of {list(_QUANT_STORAGE)}")
         else:  # compress_statistics, bnb_quantized
             checked[name] = validate.expect_bool(value, where, name)
     return checked
@@ -414,19 +512,36 @@ def rebuild_params4bit(
         fail(where, f"data of dtype {data.dtype} cannot require gradients")
     if stats is None:
         validate.expect_keys(layout, frozenset(), where, "layout")
+        if checked_attrs.get("bnb_quantized") is True:
+            # Linear4bit.forward would attach the layer's quant_state to these bytes and read them by its shape.
+            fail(where, "a Params4bit without quantization statistics cannot say it is quantized (bnb_quantized)")
         klass = _class_arg(cls, _PARAM_CLASSES, "Params4bit", where)
         return klass(data, requires_grad=requires_grad, **checked_attrs)
-    if not data.is_floating_point() and data.dtype is not torch.uint8:
-        fail(where, f"quantized data has dtype {data.dtype}")
-    if not data.is_contiguous():  # the 4-bit kernels read data.nbytes bytes from its data pointer
-        fail(where, f"quantized data is not contiguous (strides {data.stride()} for shape {tuple(data.shape)})")
+    # The 4-bit kernels read (n + 1) // 2 bytes of packed values from data's pointer, whatever its dtype.
+    data = _dense(data, where, "quantized data", dim=None, dtype=_QUANT_STORAGE)
     quant_state = _quant_state_from_record(stats, layout, where)
-    if math.prod(quant_state.shape) > data.nbytes * 2:
-        fail(where, f"shape {tuple(quant_state.shape)} has more 4-bit values than {data.nbytes} bytes of data hold")
+    shape = quant_state.shape
+    if quant_state.absmax.device != data.device:
+        fail(where, f"quantized data is on {data.device}, its statistics on {quant_state.absmax.device}")
     if getattr(quant_state, "packing_format_for_cpu", False):
-        n, k = quant_state.shape
+        n, k = shape
         if data.dtype is not torch.uint8 or tuple(data.shape) != (n, k // 2):
             fail(where, f"CPU-packed data must be uint8 of shape {(n, k // 2)}, not {data.dtype} {tuple(data.shape)}")
+    else:
+        packed_bytes = (math.prod(shape) + 1) // 2
+        if data.nbytes != packed_bytes:
+            fail(
+                where,
+                f"shape {tuple(shape)} packs into {packed_bytes} bytes (two 4-bit values a byte), but the data holds "
+                f"{data.nbytes} ({data.numel()} {data.dtype})",
+            )
+        if checked_attrs.get("quant_storage", data.dtype) is not data.dtype:
+            fail(where, f"quant_storage {checked_attrs['quant_storage']} is not the data's dtype {data.dtype}")
+    for name in ("blocksize", "quant_type"):
+        if name in checked_attrs and checked_attrs[name] != getattr(quant_state, name):
+            fail(where, f"{name} {checked_attrs[name]!r} disagrees with the statistics' {getattr(quant_state, name)!r}")
+    if checked_attrs.get("bnb_quantized") is False:
+        fail(where, "quantized data with bnb_quantized=False (moving it would quantize the packed bytes again)")
     klass = _class_arg(cls, _PARAM_CLASSES, "Params4bit", where)
     device = data.device
     # What from_prequantized does, with the QuantState built above instead of QuantState.from_dict. data stays
@@ -483,12 +598,31 @@ def rebuild_int8params(
     data = validate.expect_tensor(data, where, "data")
     requires_grad = validate.expect_bool(requires_grad, where, "requires_grad")
     has_fp16_weights = validate.expect_bool(has_fp16_weights, where, "has_fp16_weights")
-    CB = validate.expect_optional_tensor(CB, where, "CB")
-    SCB = validate.expect_optional_tensor(SCB, where, "SCB")
+    CB, SCB = _int8_rows(CB, SCB, where)
+    if CB is not None and (
+        data.dtype is not torch.int8 or data.shape != CB.shape or data.device != CB.device or not data.is_contiguous()
+    ):
+        # Quantized, data is CB (the layer's forward hands weight.data on as the int8 rows)
+        fail(where, f"quantized data must be int8 like CB {tuple(CB.shape)}, not {data.dtype} {tuple(data.shape)}")
     if requires_grad and not (data.is_floating_point() or data.is_complex()):
         fail(where, f"data of dtype {data.dtype} cannot require gradients")
     klass = _class_arg(cls, _INT8_CLASSES, "Int8Params", where)
     return klass(data, requires_grad=requires_grad, has_fp16_weights=has_fp16_weights, CB=CB, SCB=SCB)
+
+
+def _int8_rows(CB: object, SCB: object, where: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``CB`` and ``SCB`` of an ``Int8Params`` or ``MatmulLtState``, as the int8 matmul reads them: both None, or
+    ``CB`` a dense 2-D int8 ``(rows, columns)`` matrix (cuBLASLt reads it from its pointer) and ``SCB`` its dense
+    float32 row scales, exactly one a row (``int8_mm_dequant`` reads ``rows`` floats from its pointer)."""
+    if CB is None and SCB is None:
+        return None, None
+    if CB is None or SCB is None:
+        fail(where, "CB and SCB come together (the int8 rows and their scales), or neither")
+    rows = _dense(CB, where, "CB", dim=2, dtype=torch.int8)
+    scales = _dense(SCB, where, "SCB", dim=1, dtype=torch.float32, numel=rows.shape[0])
+    if scales.device != rows.device:
+        fail(where, f"SCB is on {scales.device}, CB on {rows.device}")
+    return rows, scales
 
 
 def set_param_state(param: Any, state: tuple[Any, dict[str, Any]]) -> None:
@@ -510,6 +644,11 @@ def set_param_state(param: Any, state: tuple[Any, dict[str, Any]]) -> None:
     if module is not None and not is_4bit:
         fail(where, "only a Params4bit has a module")
     names = [_check_new_attribute(type(param), name, where) for name in extra]
+    reserved = sorted(set(names) & _PARAM_RESERVED)
+    if reserved:
+        # rebuild_params4bit/rebuild_int8params checked these against the data; replacing them afterwards (a
+        # quant_state of another shape, CB of other rows) would have the kernels read past the data.
+        fail(where, f"refusing to replace {reserved}, which the rebuild checked against the data")
     if is_4bit:
         param.module = module
     for name in names:
@@ -549,10 +688,13 @@ def rebuild_matmul_lt_state(fields: dict[str, Any]) -> Any:
         if name in _MATMUL_BOOLS:
             checked[name] = validate.expect_bool(value, where, name)
         elif name == "threshold":
-            checked[name] = validate.expect_float(value, where, name)
-        else:
+            checked[name] = validate.expect_float(value, where, name, 0.0)
+        elif name == "idx":  # the outlier columns a forward found: indices into CB's columns
+            checked[name] = validate.expect_optional_tensor(value, where, name, dtype=torch.int64, dim=1)
+        elif name not in ("CB", "SCB"):
             checked[name] = validate.expect_optional_tensor(value, where, name)
-    state = importlib.import_module("bitsandbytes.autograd._functions").MatmulLtState()
+    checked["CB"], checked["SCB"] = _int8_rows(table.get("CB"), table.get("SCB"), where)
+    state = _bnb("bitsandbytes.autograd._functions").MatmulLtState()
     for name, value in checked.items():
         setattr(state, name, value)
     return state
@@ -712,11 +854,17 @@ def set_bnb_module_state(module: Any, state: tuple[Any, ...]) -> None:
             fail(where, f"refusing to set attribute {name[:80]!r} on a {cls.__name__}")
         if name not in _MODULE_INSTANCE_OVERRIDES and hasattr(cls, name):
             fail(where, f"refusing to set attribute {name!r}, which would shadow {cls.__name__}.{name}")
-    if type(fields.get("_parameters")) not in (dict, OrderedDict) or type(fields.get("_modules")) not in (
-        dict,
-        OrderedDict,
-    ):
-        fail(where, "the layer's _parameters and _modules must be dicts")
+    fields = dict(fields)
+    for name in ("_parameters", "_buffers", "_modules"):
+        table = fields.get(name, {} if name == "_buffers" else None)
+        if type(table) not in (dict, OrderedDict):
+            fail(where, f"the layer's {name} must be a dict")
+        assert isinstance(table, dict)
+        validate.charge(len(table), where)
+        # A copy: the stream keeps its own dict and could put another weight in it after the checks below.
+        fields[name] = type(table)(table)
+    _check_module_hooks(fields, keys, where)
+    _check_layer_tensors(cls, fields, relink, where)
     module.__setstate__(fields)
     if keys:
         wrapped_hook = importlib.import_module("torch.nn.modules.module")._WrappedHook
@@ -725,12 +873,73 @@ def set_bnb_module_state(module: Any, state: tuple[Any, ...]) -> None:
             if key in pre_hooks:
                 pre_hooks[key] = wrapped_hook(_bnb_nn().maybe_rearrange_weight)
     if relink:
-        weight = module._parameters.get("weight")
-        if not _type_has(weight, _bnb_nn().Params4bit):
-            fail(where, "relink needs a Params4bit weight")
-        module.quant_state = weight.quant_state
+        module.quant_state = module._parameters["weight"].quant_state
     if record is not None:
         _attach_hooks(module, record)
+
+
+@functools.cache
+def _module_hook_attributes() -> frozenset[str]:
+    """The hook tables every ``nn.Module`` has (``_forward_hooks``, ``_forward_pre_hooks``, ``_backward_hooks``,
+    ``_state_dict_hooks``, ...), read from a fresh module so that tables a torch release adds are covered too."""
+    return frozenset(
+        name for name, value in vars(torch.nn.Module()).items() if "hook" in name and isinstance(value, dict)
+    )
+
+
+def _check_module_hooks(fields: dict[str, Any], rearrange_keys: list[int], where: str) -> None:
+    """A layer's hook tables hold no hook (hooks are code: a stream would choose what runs on every forward, backward
+    or state-dict call); only the load-state-dict pre-hooks hold placeholders (None) where the reducer took out
+    bitsandbytes' own ``maybe_rearrange_weight``, which the setter puts back. ``_is_full_backward_hook`` is None or a
+    bool."""
+    for name in _module_hook_attributes():
+        if name not in fields:
+            continue
+        table = validate.expect(fields[name], (dict, OrderedDict), where, name)
+        if name == "_load_state_dict_pre_hooks":
+            if any(key not in rearrange_keys or value is not None for key, value in table.items()):
+                fail(where, f"{name} must hold no hooks (only the placeholders of bitsandbytes' own)")
+        elif table:
+            fail(where, f"{name} must be empty (hooks are code; they never travel in a restricted load)")
+    flag = fields.get("_is_full_backward_hook")
+    if flag is not None:
+        validate.expect_bool(flag, where, "_is_full_backward_hook")
+
+
+def _check_layer_tensors(cls: type, fields: dict[str, Any], relink: bool, where: str) -> None:
+    """The layer's weight and bias agree with what its forward hands the kernels: a ``Params4bit`` (``Linear4bit``)
+    or ``Int8Params`` (``Linear8bitLt``) weight; a bias that is None or a dense 1-D tensor of one entry per output
+    row (the fused kernels read that many from its pointer); a 4-bit layer's own ``quant_state`` None or its
+    weight's; an 8-bit layer's ``state`` a ``MatmulLtState`` whose int8 rows, when set, have the weight's shape."""
+    nn = _bnb_nn()
+    params = fields["_parameters"]
+    weight, bias = params.get("weight"), params.get("bias")
+    if issubclass(cls, nn.Linear4bit):
+        if not _type_has(weight, nn.Params4bit):
+            fail(where, f"a Linear4bit's weight must be a Params4bit, not {type(weight).__qualname__}")
+        quant_state = vars(weight).get("quant_state")
+        if "quant_state" in fields and fields["quant_state"] is not None and fields["quant_state"] is not quant_state:
+            fail(where, "a Linear4bit's quant_state must be None or its weight's own")
+        if relink and quant_state is None:
+            fail(where, "relink needs a quantized weight")
+        rows = quant_state.shape[0] if quant_state is not None else (weight.shape[0] if weight.dim() else 1)
+    else:
+        if not _type_has(weight, nn.Int8Params):
+            fail(where, f"a Linear8bitLt's weight must be an Int8Params, not {type(weight).__qualname__}")
+        if relink:
+            fail(where, "only a Linear4bit relinks a quant_state")
+        state: Any = fields.get("state")
+        matmul_state = _bnb("bitsandbytes.autograd._functions").MatmulLtState
+        if type(state) is not matmul_state:
+            fail(where, f"a Linear8bitLt's state must be a MatmulLtState, not {type(state).__qualname__}")
+        if state.CB is not None and (state.CB.shape != weight.shape or state.CB.device != weight.device):
+            fail(where, f"the layer's int8 rows {tuple(state.CB.shape)} are not its weight's {tuple(weight.shape)}")
+        rows = weight.shape[0] if weight.dim() else 1
+    if bias is not None:
+        if type(bias) not in (torch.Tensor, torch.nn.Parameter):
+            fail(where, f"the bias must be a tensor, not {type(bias).__qualname__}")
+        if bias.dim() != 1 or bias.numel() != rows or not bias.is_contiguous():
+            fail(where, f"the bias must be dense with {rows} entries (one per output row), not {tuple(bias.shape)}")
 
 
 def _same_device(device: object, name: str) -> bool:
@@ -791,13 +1000,14 @@ def _attach_hooks(module: Any, record: dict[str, Any]) -> None:
     ``map_location`` moved them (a layer dumped on ``cuda:0`` and loaded with ``map_location="cpu"`` executes on
     the CPU, instead of being sent back to a GPU the loading machine may not have)."""
     specs = record["hooks"]
-    try:
-        accelerate_hooks = importlib.import_module("accelerate.hooks")
-    except ImportError as e:
-        raise ImportError(
-            "this snapshot holds a bitsandbytes layer dispatched with accelerate hooks; loading it needs "
-            "accelerate: pip install accelerate"
-        ) from e
+    if "accelerate" not in sys.modules:  # as for bitsandbytes: a snapshot never makes a load import a library
+        raise BitsandbytesNotImported(
+            "this snapshot holds a bitsandbytes layer dispatched with accelerate hooks, and this process has not "
+            "imported accelerate: run `import accelerate` before loading it (pip install accelerate)",
+            plugin="bitsandbytes",
+            package="accelerate",
+        )
+    accelerate_hooks = importlib.import_module("accelerate.hooks")
     dumped_on, weight = record.get("device"), module._parameters.get("weight")
     built = []
     for spec in specs:
@@ -826,6 +1036,9 @@ def register(registry: Registrar) -> None:
     for name in _MODULE_BASES:  # subclasses (LinearFP4, LinearNF4, ...) are covered through their MRO
         registry.register_reducer(f"{_NN}:{name}", reduce_bnb_module)
     registry.register_reducer(MATMUL_LT_STATE, reduce_matmul_lt_state)
+    # Trusted loads only: a restricted load's rebuild functions refuse to run until the program imported bitsandbytes
+    # (a header an attacker wrote must not make the process import it).
+    registry.set_load_hook(import_bitsandbytes)
     # Plain functions only, each checking its arguments' exact types and sizes before doing anything: restricted
     # loads call them with whatever a stream chose. No class is declared (a constructor allocates what it is told;
     # NEWOBJ/BUILD on it would set anything): bitsandbytes' own classes travel by name.

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle.testing import ReducerConformance
+from zerocopy_pickle.testing import NativeTensorCase, ReducerConformance, check_native_tensor_arguments
 
 from .conftest import REPO, region_of, run_python
 from .hostile_streams import naming
@@ -91,9 +91,33 @@ def sample() -> dict[str, Any]:
 class TestBitsandbytesConformance(ReducerConformance):
     plugin = "bitsandbytes"
     factory = "tests.test_quirk_bnb:sample"
+    fresh_imports = ("bitsandbytes",)  # a restricted load never imports it on a header's say-so
 
     def env(self) -> dict[str, str]:
         return {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+    def native_tensor_cases(self) -> list[NativeTensorCase]:
+        """Every tensor the quirk's rebuilds hand to bitsandbytes' kernels, from real quantized objects: each one
+        element short or long, of another dtype, or not contiguous, must be refused."""
+        from zerocopy_pickle_quirks import bnb
+
+        cases: list[NativeTensorCase] = []
+        for nested in (False, True):
+            weight = linear4bit("nf4", nested).weight
+            stats, layout = bnb._quant_state_record(weight.quant_state)
+            stats = {k: torch.Tensor.clone(v) for k, v in stats.items()}
+            paths = [(0, "absmax"), (0, "quant_map")] + ([(0, "nested_absmax"), (0, "nested_quant_map")] * nested)
+            cases.append((bnb.rebuild_quant_state, (stats, layout), paths))
+            data = torch.Tensor.clone(weight.data)
+            attrs = {"quant_storage": torch.uint8}  # the data's dtype is then fixed by the arguments
+            args = ("Params4bit", data, stats, layout, attrs, False)
+            cases.append((bnb.rebuild_params4bit, args, [(1,), *((2, *p[1:]) for p in paths)]))
+        int8 = Int8Params(torch.randn(OUT, IN).half(), requires_grad=False).to("cpu")
+        data, CB, SCB = (torch.Tensor.clone(t) for t in (int8.data, int8.CB, int8.SCB))
+        cases.append((bnb.rebuild_int8params, ("Int8Params", CB, False, False, CB, SCB), [(1,), (4,), (5,)]))
+        fields = {"CB": CB, "SCB": SCB, "has_fp16_weights": False, "threshold": 0.0}
+        cases.append((bnb.rebuild_matmul_lt_state, (fields,), [(0, "CB"), (0, "SCB")]))
+        return cases
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------
@@ -285,7 +309,9 @@ assert registry.plugins()["bitsandbytes"].state == "loaded", registry.plugins()[
 assert "bitsandbytes.nn.modules:Params4bit" in zp.reducers()
 assert "bitsandbytes" not in sys.modules and "accelerate" not in sys.modules  # registering imported neither
 
-snapshot = zp.load(sys.argv[1])  # restricted; the rebuild functions import bitsandbytes
+import bitsandbytes  # a restricted load never imports it because a header names it: the program does
+
+snapshot = zp.load(sys.argv[1])  # restricted
 for name, layer in snapshot["layers"].items():
     region = region_of(layer.weight.untyped_storage().data_ptr())
     assert region is not None and region[2] == os.path.realpath(sys.argv[1]), (name, region)
@@ -586,3 +612,313 @@ def test_declares_only_validating_functions() -> None:
     assert pairs and all(module == "zerocopy_pickle_quirks.bnb" for module, _ in pairs)
     for module, name in pairs:
         assert type(registry.resolve_safe_global(module, name)) is types.FunctionType
+
+
+# -- exactly what the kernels read (issue 25) ---------------------------------------------------------------------
+
+
+def _restricted(fn: Any, *args: Any) -> bytes:
+    """A restricted stream whose header names this plugin and that calls ``fn(*args)``."""
+    return naming(zp.dumps(Reduce(fn, *args)), "bitsandbytes")
+
+
+def _real_stats(nested: bool) -> tuple[dict[str, Any], dict[str, Any], torch.Tensor]:
+    from zerocopy_pickle_quirks import bnb
+
+    weight = linear4bit("nf4", nested).weight
+    stats, layout = bnb._quant_state_record(weight.quant_state)
+    return {k: torch.Tensor.clone(v) for k, v in stats.items()}, layout, torch.Tensor.clone(weight.data)
+
+
+def _with_plain(stats: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """``stats`` with fields of its packed JSON blob changed."""
+    import json
+
+    key = next(k for k in stats if k.startswith("quant_state.bitsandbytes__"))
+    fields = json.loads(bytes(stats[key].tolist()).decode())
+    return {**stats, key: _blob({**fields, **changes})}
+
+
+def test_statistics_must_be_exactly_what_the_kernels_read() -> None:
+    """A quantization map one element short, of the wrong dtype or not contiguous, an unsupported blocksize, an
+    absmax count other than ceil(n / blocksize), nested statistics of another size or dtype: each refused by a
+    restricted load (heap contents would otherwise flow into the layer's outputs)."""
+    from zerocopy_pickle_quirks import bnb
+
+    plain, layout, data = _real_stats(nested=False)
+    nested, nested_layout, _ = _real_stats(nested=True)
+    assert plain["absmax"].numel() == OUT * IN // 64 and plain["quant_map"].numel() == 16
+    cases: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+        "map one short": ({**plain, "quant_map": plain["quant_map"][:-1].clone()}, layout),
+        "map one long": ({**plain, "quant_map": torch.zeros(17)}, layout),
+        "map of 256 for 4-bit": ({**plain, "quant_map": torch.zeros(256)}, layout),
+        "map float16": ({**plain, "quant_map": plain["quant_map"].half()}, layout),
+        "map int32": ({**plain, "quant_map": plain["quant_map"].view(torch.int32)}, layout),
+        "map not contiguous": ({**plain, "quant_map": torch.zeros(32)[::2]}, layout),
+        "absmax one short": ({**plain, "absmax": plain["absmax"][:-1].clone()}, layout),
+        "absmax one long": ({**plain, "absmax": torch.ones(plain["absmax"].numel() + 1)}, layout),
+        "absmax float16": ({**plain, "absmax": plain["absmax"].half()}, layout),
+        "absmax not contiguous": ({**plain, "absmax": torch.ones(2 * plain["absmax"].numel())[::2]}, layout),
+        "blocksize 16": (_with_plain(plain, blocksize=16), layout),
+        "blocksize 8192": (_with_plain(plain, blocksize=8192), layout),
+        "blocksize 96": (_with_plain(plain, blocksize=96), layout),
+        "blocksize 128 for absmax of 64": (_with_plain(plain, blocksize=128), layout),
+        "dtype int8": (_with_plain(plain, dtype="int8"), layout),
+        "0-d shape": (_with_plain(plain, shape=[]), layout),
+        "nested map one short": ({**nested, "nested_quant_map": nested["nested_quant_map"][:-1].clone()}, layout),
+        "nested map float64": ({**nested, "nested_quant_map": nested["nested_quant_map"].double()}, layout),
+        "nested map 16": ({**nested, "nested_quant_map": torch.zeros(16)}, layout),
+        "nested absmax one long": ({**nested, "nested_absmax": torch.ones(2)}, layout),
+        "nested absmax float16": ({**nested, "nested_absmax": nested["nested_absmax"].half()}, layout),
+        "nested absmax of floats": ({**nested, "absmax": nested["absmax"].float()}, layout),
+        "nested absmax one short": ({**nested, "absmax": nested["absmax"][:-1].clone()}, layout),
+        "nested blocksize 64": (_with_plain(nested, nested_blocksize=64), layout),
+        "nested dtype float16": (_with_plain(nested, nested_dtype="float16"), layout),
+    }
+    assert bnb.rebuild_quant_state(plain, layout).absmax.numel() == plain["absmax"].numel()
+    assert bnb.rebuild_quant_state(nested, nested_layout).state2.code.numel() == 256
+    for label, (stats, lay) in cases.items():
+        with pytest.raises(zp.UnsafeArgumentError):
+            bnb.rebuild_quant_state(stats, lay)
+        with pytest.raises(zp.UnsafeArgumentError):
+            zp.loads(_restricted(bnb.rebuild_quant_state, stats, lay))
+        with pytest.raises(zp.UnsafeArgumentError):
+            zp.loads(_restricted(bnb.rebuild_params4bit, "Params4bit", data, stats, lay, {}, False))
+        del label
+
+
+def test_packed_data_must_hold_exactly_the_shape() -> None:
+    """Two 4-bit values a byte, (n + 1) // 2 bytes whatever quant_storage is; dense; of a storage dtype; the
+    attributes agree with the statistics."""
+    from zerocopy_pickle_quirks import bnb
+
+    stats, layout, data = _real_stats(nested=True)
+    assert bnb.rebuild_params4bit("Params4bit", data, stats, layout, {}, False).quant_state.nested
+    as_float = data.reshape(-1).view(torch.float32)  # quant_storage float32: the same bytes
+    attrs = {"quant_storage": torch.float32}
+    assert bnb.rebuild_params4bit("Params4bit", as_float, stats, layout, attrs, False).quant_storage is torch.float32
+    hostile: dict[str, tuple[Any, dict[str, Any]]] = {
+        "one byte short": (data[:-1].clone(), {}),
+        "one byte long": (torch.cat([data, data[:1]]), {}),
+        "float64 storage, same numel": (data.double(), {}),
+        "int32 (not a storage dtype)": (data.reshape(-1).view(torch.int32), {}),
+        "not contiguous": (torch.zeros(2 * data.numel(), dtype=torch.uint8)[::2], {}),
+        "quant_storage other than data": (data, {"quant_storage": torch.float16}),
+        "blocksize disagrees": (data, {"blocksize": 128}),
+        "quant_type disagrees": (data, {"quant_type": "fp4"}),
+        "not quantized": (data, {"bnb_quantized": False}),
+        "unsupported blocksize attribute": (data, {"blocksize": 100}),
+    }
+    for label, (tensor, attrs) in hostile.items():
+        with pytest.raises(zp.UnsafeArgumentError):
+            zp.loads(_restricted(bnb.rebuild_params4bit, "Params4bit", tensor, stats, layout, attrs, False))
+        del label
+    # An unquantized weight cannot claim to be quantized: the layer's forward would attach a quant_state to it.
+    with pytest.raises(zp.UnsafeArgumentError):
+        zp.loads(
+            _restricted(
+                bnb.rebuild_params4bit, "Params4bit", torch.zeros(64, 1), None, {}, {"bnb_quantized": True}, False
+            )
+        )
+
+
+def test_int8_rows_and_scales_must_match() -> None:
+    """SCB float32 with one scale per row of CB; CB dense int8 with the weight's shape; both or neither."""
+    from zerocopy_pickle_quirks import bnb
+
+    int8 = Int8Params(torch.randn(OUT, IN).half(), requires_grad=False).to("cpu")
+    CB, SCB = torch.Tensor.clone(int8.CB), torch.Tensor.clone(int8.SCB)
+    assert bnb.rebuild_int8params("Int8Params", CB, False, False, CB, SCB).SCB.numel() == OUT
+    hostile = [
+        (CB, CB, SCB[:-1].clone()),  # one scale short
+        (CB, CB, SCB.half()),
+        (CB, CB, SCB.view(torch.int32)),
+        (CB, CB, torch.ones(2 * OUT)[::2]),
+        (CB, CB, None),
+        (CB, None, SCB),
+        (CB[:-1].clone(), CB, SCB),  # data is not CB's shape
+        (CB.float(), CB, SCB),
+        (CB, CB.view(torch.uint8), SCB),
+        (CB.t(), CB.t(), SCB),  # not contiguous
+        (CB.reshape(-1), CB.reshape(-1), SCB),
+    ]
+    for data, rows, scales in hostile:
+        with pytest.raises(zp.UnsafeArgumentError):
+            zp.loads(_restricted(bnb.rebuild_int8params, "Int8Params", data, False, False, rows, scales))
+        if rows is not CB or scales is not SCB:  # the layer's state holds the int8 rows and scales alone
+            with pytest.raises(zp.UnsafeArgumentError):
+                zp.loads(_restricted(bnb.rebuild_matmul_lt_state, {"CB": rows, "SCB": scales, "threshold": 0.0}))
+    with pytest.raises(zp.UnsafeArgumentError):
+        zp.loads(_restricted(bnb.rebuild_matmul_lt_state, {"threshold": -1.0}))
+    with pytest.raises(zp.UnsafeArgumentError):
+        zp.loads(_restricted(bnb.rebuild_matmul_lt_state, {"idx": torch.zeros(2, dtype=torch.int32)}))
+
+
+def _layer_state(layer: torch.nn.Module, **changes: Any) -> tuple[Any, ...]:
+    from zerocopy_pickle_quirks import bnb
+
+    _, _, state, *_ = bnb.reduce_bnb_module(layer)
+    fields, relink, keys, hooks = state
+    return ({**fields, **changes}, relink, keys, hooks)
+
+
+def test_layer_state_refuses_hooks_and_mismatched_tensors() -> None:
+    """The layer's state setter refuses non-empty hook tables (forward, pre-forward, backward, state-dict,
+    load-state-dict beyond bitsandbytes' own placeholder) and a bias, quant_state or int8 state that disagrees
+    with the weight the kernels read."""
+    from zerocopy_pickle_quirks import bnb
+
+    hook = bnb.rebuild_bnb_module  # any value a restricted stream can name: a safe global
+    four, eight = linear4bit("nf4", True), linear8bit()
+    four.weight.module = None  # no reference cycle through the layer in these hand-made streams
+    run(eight, inputs())  # CB and SCB now in the layer's state
+    other = linear4bit("nf4", False, seed=3).weight.quant_state
+    hostile: list[tuple[str, torch.nn.Module, dict[str, Any]]] = [
+        *(
+            (name, layer, {name: OrderedDict({0: hook})})
+            for name in (
+                "_forward_hooks",
+                "_forward_pre_hooks",
+                "_backward_hooks",
+                "_backward_pre_hooks",
+                "_state_dict_hooks",
+                "_state_dict_pre_hooks",
+                "_load_state_dict_post_hooks",
+            )
+            for layer in (four, eight)
+        ),
+        ("_load_state_dict_pre_hooks", four, {"_load_state_dict_pre_hooks": OrderedDict({0: hook})}),
+        ("_forward_hooks_with_kwargs", four, {"_forward_hooks_with_kwargs": {0: True}}),
+        ("_is_full_backward_hook", four, {"_is_full_backward_hook": "yes"}),
+        ("hooks not a dict", four, {"_forward_hooks": [hook]}),
+        ("bias one short", four, {"_parameters": {**four._parameters, "bias": torch.zeros(OUT - 1)}}),
+        ("bias 2-d", eight, {"_parameters": {**eight._parameters, "bias": torch.zeros(OUT, 1)}}),
+        ("bias not contiguous", eight, {"_parameters": {**eight._parameters, "bias": torch.zeros(2 * OUT)[::2]}}),
+        ("another quant_state", four, {"quant_state": other}),
+        ("plain weight", four, {"_parameters": {"weight": torch.nn.Parameter(torch.zeros(OUT, IN)), "bias": None}}),
+        ("4-bit weight in an 8-bit layer", eight, {"_parameters": {"weight": four.weight, "bias": None}}),
+        (
+            "int8 rows of another shape",
+            eight,
+            {
+                "state": bnb.rebuild_matmul_lt_state(
+                    {"CB": eight.state.CB[:-1].clone(), "SCB": eight.state.SCB[:-1].clone(), "has_fp16_weights": False}
+                )
+            },
+        ),
+    ]
+    for label, layer, changes in hostile:
+        name = type(layer).__name__
+        with pytest.raises(zp.UnsafeArgumentError):
+            bnb.set_bnb_module_state(bnb.rebuild_bnb_module(name), _layer_state(layer, **changes))
+        stream = _restricted(
+            bnb.set_bnb_module_state, Reduce(bnb.rebuild_bnb_module, name), _layer_state(layer, **changes)
+        )
+        with pytest.raises(zp.UnsafeArgumentError):
+            zp.loads(stream)
+        del label
+    # The genuine states still load (the placeholder of bitsandbytes' own rearrange pre-hook included).
+    for layer in (four, eight):
+        rebuilt = bnb.rebuild_bnb_module(type(layer).__name__)
+        bnb.set_bnb_module_state(rebuilt, _layer_state(layer))
+        assert torch.equal(run(rebuilt, inputs()), run(layer, inputs()))
+
+
+def test_layer_state_keeps_its_own_parameter_table() -> None:
+    """The stream keeps the dict it passed as ``_parameters``: filling it after the state setter checked it must not
+    change the layer's weight."""
+    from zerocopy_pickle_quirks import bnb
+
+    layer = linear4bit("nf4", False)
+    state = _layer_state(layer, _parameters=dict(layer._parameters))
+    rebuilt = bnb.rebuild_bnb_module("Linear4bit")
+    bnb.set_bnb_module_state(rebuilt, state)
+    state[0]["_parameters"]["bias"] = torch.zeros(1)
+    assert rebuilt.bias.shape == (OUT,)
+
+
+def test_parameter_state_never_replaces_what_the_rebuild_checked() -> None:
+    """set_param_state refuses quant_state, CB, SCB, the Params4bit attributes and tensor hook attributes
+    (zerocopy_pickle.safeglobals' _HOOK_ATTRIBUTES: a tensor's own attributes, refused as shadowing the class)."""
+    from zerocopy_pickle_quirks import bnb
+
+    four = linear4bit("nf4", False).weight
+    other = linear4bit("nf4", False, seed=3).weight.quant_state
+    int8 = Int8Params(torch.randn(OUT, IN).half(), requires_grad=False).to("cpu")
+    names = {
+        "quant_state": other, "blocksize": 32, "quant_type": "fp4", "quant_storage": torch.float32,
+        "compress_statistics": True, "bnb_quantized": False, "module": None,
+        "_backward_hooks": {0: bnb.rebuild_bnb_module}, "_post_accumulate_grad_hooks": {}, "grad_fn": None,
+    }  # fmt: skip
+    for name, value in names.items():
+        with pytest.raises(zp.UnsafeArgumentError):
+            bnb.set_param_state(four, (None, {name: value}))
+    for name in ("CB", "SCB", "has_fp16_weights"):
+        with pytest.raises(zp.UnsafeArgumentError):
+            bnb.set_param_state(int8, (None, {name: torch.zeros(1)}))
+    bnb.set_param_state(four, (None, {"_is_hf_initialized": True}))  # what transformers adds
+    assert four._is_hf_initialized is True
+
+
+def test_check_native_tensor_arguments_finds_a_missing_check() -> None:
+    """The conformance check reports a rebuild that reads a tensor without checking its size and dtype."""
+
+    def trusting(code: torch.Tensor) -> torch.Tensor:
+        if type(code) is not torch.Tensor:
+            raise zp.UnsafeArgumentError("not a tensor")
+        return code
+
+    with pytest.raises(AssertionError, match="one element short"):
+        check_native_tensor_arguments(trusting, (torch.zeros(16),), [(0,)], "trusting")
+
+    def exact(code: torch.Tensor) -> torch.Tensor:
+        if type(code) is not torch.Tensor or code.dtype is not torch.float32 or code.shape != (16,):
+            raise zp.UnsafeArgumentError("not 16 float32")
+        if not code.is_contiguous():
+            raise zp.UnsafeArgumentError("not contiguous")
+        return code
+
+    check_native_tensor_arguments(exact, (torch.zeros(16),), [(0,)], "exact")
+
+
+# -- a restricted load never imports bitsandbytes on a header's say-so -------------------------------------------
+
+IMPORT_CHILD = """
+import sys
+import zerocopy_pickle as zp
+
+data = open(sys.argv[1], "rb").read()  # 60-odd bytes of stream: rebuild_bnb_module("Linear4bit"), header naming it
+assert zp.read_header(data).plugins[0].name == "bitsandbytes"
+try:
+    zp.loads(data)
+except zp.PluginError as e:
+    assert "import bitsandbytes" in str(e) and "trusted=True" in str(e), e
+else:
+    raise AssertionError("loaded")
+assert "bitsandbytes" not in sys.modules, "a refused restricted load imported bitsandbytes"
+assert not [m for m in sys.modules if m.startswith(("bitsandbytes", "accelerate"))]
+
+import bitsandbytes  # the one thing that works: the program imports it
+print(type(zp.loads(data)).__name__)
+"""
+
+TRUSTED_CHILD = """
+import sys
+import zerocopy_pickle as zp
+
+layer = zp.loads(open(sys.argv[1], "rb").read(), trusted=True)  # the plugin's load hook imports bitsandbytes
+assert "bitsandbytes" in sys.modules
+print(type(layer).__name__)
+"""
+
+
+def test_restricted_load_does_not_import_bitsandbytes(tmp_path: Path) -> None:
+    from zerocopy_pickle_quirks import bnb
+
+    path = tmp_path / "tiny.zcp"
+    path.write_bytes(_restricted(bnb.rebuild_bnb_module, "Linear4bit"))
+    header = zp.read_header(path)
+    assert header.stream_nbytes < 120, header.stream_nbytes
+    env = {"PYTHONPATH": str(REPO)}
+    assert run_python(IMPORT_CHILD, str(path), env=env).stdout.strip() == "Linear4bit"
+    assert run_python(TRUSTED_CHILD, str(path), env=env).stdout.strip() == "Linear4bit"
