@@ -188,7 +188,7 @@ constexpr uint32_t kMaxUnprotectedDepth = 200;            // semantics.MAX_UNPRO
 constexpr std::size_t kMaxNameLength = 1024;              // semantics.MAX_NAME_LENGTH
 constexpr uint64_t kHashFloor = uint64_t(1) << 20;        // semantics.HASH_FLOOR
 constexpr uint64_t kHashPerByte = 4;                      // semantics.HASH_PER_BYTE
-constexpr uint64_t kSizeCap = uint64_t(1) << 62;          // semantics._SIZE_CAP
+constexpr uint64_t kSizeCap = (uint64_t(1) << 40) - 1;    // semantics._SIZE_CAP (above every budget)
 constexpr uint64_t kCollisionFloor = uint64_t(1) << 25;   // semantics.COLLISION_FLOOR
 enum HashKind : uint8_t { kSecret = 0, kKnown = 1, kChosen = 2 };  // semantics._SECRET, _KNOWN, _CHOSEN
 // semantics._HASHK: a tuple's or frozenset's hash kind from the bit set of its items' (1 << kind).
@@ -290,14 +290,18 @@ constexpr OpTable kTable{};
 
 struct Tag {
   uint8_t kind;
-  bool built;
-  bool nested;    // put into another value (semantics' Note [The cost model])
-  uint8_t hashk;  // HashKind
-  uint32_t depth;
-  uint32_t ref;     // kGlobal/kResult: pair index; kStr: string index (kNone: text unknown)
-  uint64_t size;    // expanded size, saturating at kSizeCap
-  uint64_t chosen;  // keys of chosen hash this dict or set (or object) received
+  uint8_t built : 1;
+  uint8_t nested : 1;  // put into another value (semantics' Note [The cost model])
+  uint8_t hashk : 2;   // HashKind
+  uint16_t depth;      // <= kMaxDepth + 1
+  uint32_t ref;        // kGlobal/kResult: pair index; kStr: string index (kNone: text unknown)
+  // Keys of chosen hash this dict or set (or object) received, saturating at kChosenCap: the collision budget
+  // (at most 2**33 for the 2**31-byte streams this pass takes) refuses the 2**17-th such key already.
+  uint64_t chosen : 24;
+  uint64_t size : 40;  // expanded size, saturating at kSizeCap
 };
+static_assert(sizeof(Tag) == 16, "a tag per value the stream creates: keep it small");
+constexpr uint64_t kChosenCap = (uint64_t(1) << 24) - 1;
 
 inline uint64_t add_size(uint64_t a, uint64_t b) {  // both <= kSizeCap: no overflow
   return std::min(a + b, kSizeCap);
@@ -322,11 +326,11 @@ class Analyzer {
         colliding_left_(std::max<uint64_t>(kCollisionFloor, kHashPerByte * static_cast<uint64_t>(end))),
         collect_at_(std::max<std::size_t>(collect_at, 8)),
         next_collect_(collect_at_) {
-    tags_.push_back({kPrim, false, false, kKnown, 0, kNone, 1, 0});
-    tags_.push_back({kBytes, false, false, kSecret, 0, kNone, 1, 0});
-    tags_.push_back({kBuffer, false, false, kSecret, 0, kNone, 1, 0});
-    tags_.push_back({kStr, false, false, kSecret, 0, kNone, 1, 0});
-    tags_.push_back({kPrim, false, false, kChosen, 0, kNone, 1, 0});
+    tags_.push_back({kPrim, 0, 0, kKnown, 0, kNone, 0, 1});
+    tags_.push_back({kBytes, 0, 0, kSecret, 0, kNone, 0, 1});
+    tags_.push_back({kBuffer, 0, 0, kSecret, 0, kNone, 0, 1});
+    tags_.push_back({kStr, 0, 0, kSecret, 0, kNone, 0, 1});
+    tags_.push_back({kPrim, 0, 0, kChosen, 0, kNone, 0, 1});
   }
 
   // Returns (code, offset, payload); payload is None unless code == kOk.
@@ -576,7 +580,7 @@ class Analyzer {
   std::size_t frame_size() const { return stack_.size() - fence(); }
 
   uint32_t new_tag(uint8_t kind, uint32_t ref, uint32_t depth, uint64_t size = 1, uint8_t hashk = kSecret) {
-    tags_.push_back({kind, false, false, hashk, depth, ref, size, 0});
+    tags_.push_back({kind, 0, 0, hashk, static_cast<uint16_t>(depth), ref, 0, size});
     return static_cast<uint32_t>(tags_.size() - 1);
   }
 
@@ -590,7 +594,7 @@ class Analyzer {
     for (std::size_t i = from; i < to; ++i) {
       Tag& item = tags_[stack_[i]];
       item.nested = true;
-      depth = std::max(depth, item.depth);
+      depth = std::max<uint32_t>(depth, item.depth);
       size = add_size(size, item.size);
       bits |= 1u << item.hashk;
     }
@@ -636,7 +640,7 @@ class Analyzer {
       die(kTooDeep, pos);
       return false;
     }
-    tag.depth = depth;
+    tag.depth = static_cast<uint16_t>(depth);
     tag.size = size;
     return true;
   }
@@ -656,7 +660,7 @@ class Analyzer {
         chosen += 1;
       }
     }
-    tags_[target].chosen = chosen;
+    tags_[target].chosen = std::min(chosen, kChosenCap);
     if (compared > colliding_left_) {
       die(kTooDeep, pos);
       return false;
@@ -820,16 +824,17 @@ class Analyzer {
         stack_.push_back(kPrimTag);
         return;
       case 'G':
-      case 'F':
-      case 0x8b:  // floats and LONG4: hashes the stream can choose
+      case 'F':  // floats: hashes the stream can choose
         stack_.push_back(kChosenTag);
         return;
-      case 0x8a:  // LONG1: up to 7 bytes an int hashes to itself (distinct)
-        stack_.push_back(text_length <= 7 ? kPrimTag : kChosenTag);
+      case 0x8a:
+      case 0x8b:  // LONG1, LONG4: up to 7 bytes an int hashes to itself; longer, 1 + its bytes / 8 to hash
+        stack_.push_back(op == 0x8a && text_length <= 7 ? kPrimTag
+                                                         : new_tag(kPrim, kNone, 0, 1 + text_length / 8, kChosen));
         return;
       case 'I':
       case 'L':  // text ints: up to 16 characters below 2**55
-        stack_.push_back(text_length <= 16 ? kPrimTag : kChosenTag);
+        stack_.push_back(text_length <= 16 ? kPrimTag : new_tag(kPrim, kNone, 0, 1 + text_length / 8, kChosen));
         return;
       case 0x8c:
       case 'X':
@@ -1053,7 +1058,7 @@ class Analyzer {
         if (op == 0x92) {
           Tag& kwargs = tags_[stack_[size - 1]];
           kwargs.nested = true;
-          depth = std::max(depth, kwargs.depth);
+          depth = std::max<uint32_t>(depth, kwargs.depth);
           made_size = add_size(made_size, kwargs.size);
         }
         const uint32_t made = result(pair, depth + 1, made_size, start);

@@ -327,6 +327,11 @@ CASES: dict[str, tuple[bytes, int]] = {
     "text-int-keys": (b"}" + b"".join(b"I%d\nNs" % (10**16 + i) for i in range(9000)) + b".", TOO_DEEP),
     "text-int-short-keys": (b"}" + b"".join(b"I%d\nNs" % i for i in range(20000)) + b".", OK),
     "result-keys": (b"}" + b"".join(G + b")RNs" for _ in range(9000)) + b".", TOO_DEEP),
+    "big-int-key-repeated": (
+        b"}\x8b\x00\x00\x10\x00" + b"\x07" * (1 << 20) + b"\x94Ns" + b"h\x00Ns" * 40 + b".",
+        TOO_DEEP,
+    ),
+    "big-int-key-once": (b"}\x8b\x00\x00\x10\x00" + b"\x07" * (1 << 20) + b"Ns.", OK),
     "long-module-name": (b"c" + b"m" * 1025 + b"\nx\n.", MALFORMED),
     "long-qualname": (b"cm\n" + b"x" * 1025 + b"\n.", MALFORMED),
     "long-names-ok": (b"c" + b"m" * 1024 + b"\n" + b"x" * 1024 + b"\n.", OK),

@@ -82,7 +82,7 @@ COLLISION_FLOOR = 1 << 25
 every key whose hash the stream can choose (a float, an int beyond 2**55, a tuple or frozenset of them or of
 small ints, a call's result) costs, on insertion, the number of such keys already in its dict or set times its
 expanded size. 2**25 is about half a second of comparisons, and 8,192 such keys in one dict."""
-_SIZE_CAP = 1 << 62  # expanded sizes saturate here (the native twin counts in 64 bits)
+_SIZE_CAP = (1 << 40) - 1  # expanded sizes saturate here: above every budget (the native twin keeps 40 bits)
 _UNPROTECTED = frozenset({("collections", "deque"), ("collections", "defaultdict")})
 
 BUILD, SETITEM, APPEND, ADD = "build", "setitem", "append", "add"
@@ -132,7 +132,7 @@ class _Tag:
 
 
 _PRIM_TAG = _Tag(_PRIM, hashk=_KNOWN)
-_CHOSEN_TAG = _Tag(_PRIM, hashk=_CHOSEN)  # floats, and ints that may be beyond 2**55
+_CHOSEN_TAG = _Tag(_PRIM, hashk=_CHOSEN)  # floats
 _BYTES_TAG = _Tag(_BYTES)
 _BUFFER_TAG = _Tag(_BUFFER)
 _UNKNOWN_STR = _Tag(_STR, None)
@@ -424,14 +424,16 @@ def analyze(stream: bytes) -> StreamUses:
             elif op == 0x47:  # BINFLOAT
                 pos += 8
                 stack.append(_CHOSEN_TAG)
-            elif op in (0x8A, 0x8B):  # LONG1, LONG4 (up to 7 bytes, an int hashes to itself: distinct)
+            elif op in (0x8A, 0x8B):  # LONG1, LONG4
                 if op == 0x8A:
                     n = data[pos]
                     pos += 1 + n
                 else:
                     n = from_bytes(data[pos : pos + 4], "little", signed=True)
                     pos += 4 + n
-                stack.append(_PRIM_TAG if op == 0x8A and n <= 7 else _CHOSEN_TAG)
+                # Up to 7 bytes an int hashes to itself (distinct); a longer one's hash is the stream's to
+                # choose, and hashing it reads every digit, every time (ints do not cache their hash).
+                stack.append(_PRIM_TAG if op == 0x8A and n <= 7 else _Tag(_PRIM, None, 0, 1 + n // 8, _CHOSEN))
             elif op in (0x58, 0x8D):  # BINUNICODE, BINUNICODE8
                 width = 4 if op == 0x58 else 8
                 n = from_bytes(data[pos : pos + width], "little")
@@ -565,7 +567,10 @@ def analyze(stream: bytes) -> StreamUses:
                 pos += 1 if op == 0x80 else 8
             elif op in (0x49, 0x4C, 0x46):  # INT, LONG, FLOAT (text)
                 text, pos = _line(data, pos)
-                stack.append(_PRIM_TAG if op != 0x46 and len(text) <= 16 else _CHOSEN_TAG)
+                if op == 0x46:
+                    stack.append(_CHOSEN_TAG)
+                else:  # up to 16 characters an int is below 2**55; a longer one as LONG1/LONG4 above
+                    stack.append(_PRIM_TAG if len(text) <= 16 else _Tag(_PRIM, None, 0, 1 + len(text) // 8, _CHOSEN))
             elif op == 0x53:  # STRING (text)
                 _, pos = _line(data, pos)
                 stack.append(_UNKNOWN_STR)
