@@ -364,9 +364,7 @@ def analyze(stream: bytes) -> StreamUses:
                 if item.depth >= MAX_DEPTH:
                     raise _too_deep(start)
                 item.nested = True
-                stack[-1] = _Tag(
-                    _TUPLE, None, item.depth + 1, min(item.size + 1, _SIZE_CAP), _HASHK[1 << item.hashk]
-                )
+                stack[-1] = _Tag(_TUPLE, None, item.depth + 1, min(item.size + 1, _SIZE_CAP), _HASHK[1 << item.hashk])
             elif op == 0x28:  # MARK
                 metastack.append(stack)
                 stack = []
