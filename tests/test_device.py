@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from typing import Any
 
 import pytest
@@ -222,3 +223,24 @@ def test_the_stream_s_location_argument_is_still_checked(fake_cuda: list[Any]) -
     data = rows_snapshot(storages_of_one_buffer(2, "x" * 65), [PAYLOAD], "cpu", "uint8")
     with pytest.raises(zp.SnapshotError, match="location must be a device string"):
         zp.loads(data)
+
+
+def test_the_public_unpickler_places_each_buffer_once() -> None:
+    """ZeroCopyUnpickler used directly (no header rows): a list of buffers gets its own placement, so K
+    references to one buffer are one storage, and a map_location is asked once."""
+    import io
+
+    k = 20
+    stream = storages_of_one_buffer(k, "cpu")
+    buffers = [pickle.PickleBuffer(bytearray(PAYLOAD))]
+    storages = zp.ZeroCopyUnpickler(io.BytesIO(stream), buffers=buffers).load()
+    assert len(storages) == k and all(s is storages[0] for s in storages)
+    assert bytes(storages[0]) == PAYLOAD
+    moved: list[str] = []
+
+    def placed(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        moved.append(location)
+        return storage
+
+    again = zp.ZeroCopyUnpickler(io.BytesIO(stream), buffers=buffers, map_location=placed).load()
+    assert moved == ["cpu"] and all(s is again[0] for s in again)

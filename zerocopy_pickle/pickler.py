@@ -416,8 +416,10 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         plugins: the names of the plugins whose safe globals this stream may use (a snapshot header's list);
             None allows every registered plugin's.
         stream_uses: the stream's analysis, when the caller already has it (:func:`zerocopy_pickle.semantics.uses`).
-        placed: ``id(buffer) -> storage`` for buffers of ``buffers`` already moved to their device (the load
-            core's bulk transfer): a storage rebuilt from one of them is that storage.
+        placed: the load's :class:`~zerocopy_pickle.rebuild.Placement` (the load core's: buffers with their
+            header rows, some already moved to their device by the bulk transfer). Without it, a list or tuple
+            of ``buffers`` gets one of its own, so here too a buffer is one storage however often the stream
+            references it.
 
     Raises:
         ArgumentError: a malformed ``allow`` entry or ``map_location``.
@@ -437,9 +439,11 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         registry: Registry | None = None,
         plugins: Iterable[str] | None = None,
         stream_uses: StreamUses | None = None,
-        placed: dict[int, torch.UntypedStorage] | None = None,
+        placed: rebuild.Placement | dict[int, torch.UntypedStorage] | None = None,
     ) -> None:
         static_target(map_location, "cpu")  # reject a malformed map_location before reading anything
+        if placed is None and isinstance(buffers, (list, tuple)):
+            placed = rebuild.Placement(buffers)
         self._storage_builder = rebuild.StorageBuilder(map_location, placed)
         self._resolved: dict[tuple[str, str], object] | None = None
         self._budget = 0
