@@ -83,6 +83,7 @@ test: lint typecheck pytest
 bench: $(STAMP)
 	$(PY) benchmarks/snapshot.py
 	$(PY) benchmarks/dump.py
+	$(PY) benchmarks/semantics.py --cases sd,gpt,sd100k --repeat 7
 
 clean:
 	rm -rf $(VENV) build site *.egg-info
