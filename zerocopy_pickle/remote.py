@@ -13,7 +13,15 @@ protocol fsspec knows but ``file``) calls :func:`fetch`, which returns a local f
   ``checksums=False`` is refused: nothing would detect corruption). A download that fails verification is
   deleted, never mapped;
 * concurrent fetches of one URL, in threads or processes, take a lock file: one downloads, the others wait and
-  map its result.
+  map its result;
+* the directory gets the checks of the cache's private directories (:func:`private_directory`: a plain
+  directory, not a symlink, owned by this user, no access for group or others), made on the opened directory, and
+  every file in it is created or opened relative to that fd with ``O_NOFOLLOW`` and used only if it is a regular
+  file of this user: nobody else can plant what a load maps (an :class:`UnsafeDirectoryError` says what is wrong
+  and how to fix it);
+* over HTTP, each window is read as a stream and the read stops at the window's size: a server that ignores
+  ``Range`` (answering with the whole object) or sends more than was asked is refused after at most
+  :data:`WINDOW` + :data:`SLACK` bytes, never buffered whole.
 
 :func:`upload` is :func:`zerocopy_pickle.dump` to a URL: the snapshot is written to a local temporary file, then
 put with ``fs.put_file`` (object stores replace an object whole; readers never see half of it).
@@ -22,12 +30,14 @@ put with ``fs.put_file`` (object stores replace an object whole; readers never s
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -35,15 +45,28 @@ from typing import Any
 
 from . import integrity, progress, sources
 from .errors import ArgumentError, IntegrityError, SnapshotError, ZeroCopyPickleError
-from .native import cache_dir
 
-__all__ = ["DIR_ENV", "WINDOW", "fetch", "is_url", "remote_dir", "upload"]
+__all__ = [
+    "DIR_ENV",
+    "SLACK",
+    "WINDOW",
+    "UnsafeDirectoryError",
+    "fetch",
+    "is_url",
+    "private_directory",
+    "remote_dir",
+    "upload",
+]
 
 DIR_ENV = "ZEROCOPY_PICKLE_REMOTE_DIR"
 """The environment variable that sets :func:`remote_dir`."""
 
 WINDOW = 8 << 20
 """Bytes per ranged read of a download (and the granularity a resumed download restarts at)."""
+
+SLACK = 64 << 10
+"""Bytes an HTTP window's read may take beyond the window (its last read piece) before it stops: what a server
+sends beyond the window is an error, never buffered."""
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*(::|://)")
 log = logging.getLogger(__name__)
@@ -60,7 +83,73 @@ def remote_dir() -> Path:
     cache directory (``$ZEROCOPY_PICKLE_CACHE``, ``$XDG_CACHE_HOME/zerocopy_pickle`` or
     ``~/.cache/zerocopy_pickle``). Nothing is evicted: delete files there to reclaim space."""
     explicit = os.environ.get(DIR_ENV)
-    return Path(explicit).expanduser() if explicit else cache_dir() / "remote"
+    if explicit:
+        return Path(explicit).expanduser()
+    from .native import cache_dir  # here, not above: native imports torch, and the cache server imports this module
+
+    return cache_dir() / "remote"
+
+
+class UnsafeDirectoryError(ZeroCopyPickleError, PermissionError):
+    """The download directory (or a file in it) could have been prepared or changed by someone else: a symlink,
+    another user's, or accessible to others. The message names the path and what to do."""
+
+
+def private_directory(
+    path: Path,
+    *,
+    create: bool = True,
+    what: str = "directory",
+    error: Callable[[str], Exception] = UnsafeDirectoryError,
+) -> int:
+    """An ``O_DIRECTORY`` fd of ``path`` (the caller closes it), after checking that nobody else can have
+    prepared or can change what is in it: a plain directory (not a symlink), owned by this user, without any
+    access for group or others. Created with mode 0700 (and missing parents) when ``create``.
+
+    The checks are made on the opened directory (``O_NOFOLLOW``), so a name swapped after the check is not
+    what gets used: open what is inside relative to the fd (``dir_fd=``). The one implementation of these checks:
+    the model cache's runtime and persistence directories use it too (``cache/protocol.py``, which may import this
+    layer; this one may not import the cache).
+
+    Raises:
+        ``error`` (:class:`UnsafeDirectoryError` by default): the directory is missing (``create=False``), is a
+            symlink or not a directory, belongs to another user, or is accessible to others; the message says how
+            to fix it.
+    """
+    if create:
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=0o700, parents=True)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError as e:
+        raise error(f"the {what} {path} does not exist") from e
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise error(
+            f"the {what} {path} is not a plain directory (a symlink or a file): refusing to use it; "
+            "name a directory of your own instead"
+        )
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise error(f"the {what} {path} cannot be opened as a plain directory ({e.strerror})") from e
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+            raise error(f"the {what} {path} was replaced while it was being checked: refusing to use it")
+        if opened.st_uid != os.getuid():
+            raise error(
+                f"the {what} {path} belongs to uid {opened.st_uid}, not to you (uid {os.getuid()}): refusing to "
+                "use it, since whoever owns it controls what is in it; name a directory of your own instead"
+            )
+        if opened.st_mode & 0o077:
+            raise error(
+                f"the {what} {path} is accessible to other users (mode {stat.S_IMODE(opened.st_mode):o}); "
+                f"it must be 0700: chmod 700 {path}"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
@@ -95,9 +184,34 @@ def _identity(fs: Any, path: str, url: str) -> dict[str, Any]:
     return {"url": url, "size": size, "version": str(version) if version is not None else None}
 
 
+def _open(directory: int, name: str, flags: int, where: Path) -> int:
+    """``name`` in the checked directory ``directory`` (its fd), never through a symlink, and only if it is a
+    regular file of this user that nobody else may write (``O_NONBLOCK``: a FIFO planted there never blocks)."""
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600, dir_fd=directory)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.ENOTDIR, errno.EISDIR):
+            raise UnsafeDirectoryError(
+                f"{where / name} is not a regular file (a symlink, a FIFO or a directory someone put there): "
+                f"refusing to use it; remove it (rm {where / name}) and load again"
+            ) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise UnsafeDirectoryError(
+                f"{where / name} is not a regular file of yours that only you may write (uid {info.st_uid}, mode "
+                f"{stat.S_IMODE(info.st_mode):o}): refusing to use it; remove it (rm {where / name}) and load again"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def _locked(directory: int, name: str, where: Path) -> Iterator[None]:
+    fd = _open(directory, name, os.O_RDWR | os.O_CREAT, where)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -105,17 +219,47 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(directory: int, name: str, where: Path) -> Any:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        fd = _open(directory, name, os.O_RDONLY, where)
+    except FileNotFoundError:
         return None
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(1 << 16)  # an identity is a few hundred bytes
+        return json.loads(data)
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
 
 
-def _write_json(path: Path, value: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
+def _write_json(directory: int, name: str, value: Any, where: Path) -> None:
+    _unlink(directory, name + ".tmp")
+    fd = _open(directory, name + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, where)
+    try:
+        data = memoryview(json.dumps(value).encode())
+        while data:
+            data = data[os.write(fd, data) :]
+    finally:
+        os.close(fd)
+    os.replace(name + ".tmp", name, src_dir_fd=directory, dst_dir_fd=directory)
+
+
+def _unlink(directory: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=directory)
+
+
+def _size_of_file(directory: int, name: str) -> int | None:
+    """The size of ``name`` if it is a regular file of this user (never following a symlink), else None."""
+    try:
+        info = os.stat(name, dir_fd=directory, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        return None
+    return info.st_size
 
 
 def fetch(url: str, storage_options: Mapping[str, Any] | None = None) -> Path:
@@ -124,44 +268,109 @@ def fetch(url: str, storage_options: Mapping[str, Any] | None = None) -> Path:
     Raises:
         FileNotFoundError: nothing at ``url``.
         SnapshotError: the download is not a well-formed snapshot of the size the server declared (truncated,
-            or not a snapshot), or it has no checksums; the download was deleted.
+            or not a snapshot), or it has no checksums, or the server sent more than a window asked for (it
+            ignores ``Range``); the download was deleted.
         IntegrityError: a checksum does not match (corrupt in transit or at rest); the download was deleted.
+        UnsafeDirectoryError: the download directory, or a file in it, is not private to this user (a symlink,
+            another user's, or open to others): the message names the path and the fix.
         ArgumentError: fsspec (or the protocol's package) is not installed, or the URL is malformed.
         OSError: the download failed (it resumes from where it stopped next time).
     """
     fs, path = _filesystem(url, storage_options)
     identity = _identity(fs, path, url)
-    directory = remote_dir()
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    name = hashlib.sha256(url.encode()).hexdigest()[:40]
-    final, meta = directory / f"{name}.zcp", directory / f"{name}.json"
-    part, part_meta = directory / f"{name}.part", directory / f"{name}.part.json"
-    with _locked(directory / f"{name}.lock"):
-        if _read_json(meta) == identity and final.is_file() and final.stat().st_size == identity["size"]:
-            log.info("fetch %s: unchanged, using the local copy %s", url, final)
-            return final
-        if _read_json(part_meta) != identity or not identity["version"]:
-            part.unlink(missing_ok=True)  # another object (or one that cannot say whether it changed): start over
-            _write_json(part_meta, identity)
-        log.info("fetch %s: downloading %d bytes into %s", url, identity["size"], final)
-        _download(lambda start, stop: fs.cat_file(path, start=start, end=stop), part, identity["size"], url)
-        try:
-            _verify(part, url)
-        except BaseException:
-            part.unlink(missing_ok=True)
-            part_meta.unlink(missing_ok=True)
-            raise
-        meta.unlink(missing_ok=True)  # a crash before the new identity is written must not leave the old one
-        os.replace(part, final)
-        _write_json(meta, identity)
-        part_meta.unlink(missing_ok=True)
-        return final
+    where = remote_dir()
+    directory = private_directory(where, what="download directory of URL loads")
+    try:
+        name = hashlib.sha256(url.encode()).hexdigest()[:40]
+        final, meta = f"{name}.zcp", f"{name}.json"
+        part, part_meta = f"{name}.part", f"{name}.part.json"
+        with _locked(directory, f"{name}.lock", where):
+            if _read_json(directory, meta, where) == identity and _size_of_file(directory, final) == identity["size"]:
+                log.info("fetch %s: unchanged, using the local copy %s", url, where / final)
+                return where / final
+            if _read_json(directory, part_meta, where) != identity or not identity["version"]:
+                _unlink(directory, part)  # another object (or one that cannot say whether it changed): start over
+                _write_json(directory, part_meta, identity, where)
+            log.info("fetch %s: downloading %d bytes into %s", url, identity["size"], where / final)
+            _download(_reader(fs, path, url), directory, part, identity["size"], url, where)
+            try:
+                _verify(directory, part, url, where)
+            except BaseException:
+                _unlink(directory, part)
+                _unlink(directory, part_meta)
+                raise
+            _unlink(directory, meta)  # a crash before the new identity is written must not leave the old one
+            os.replace(part, final, src_dir_fd=directory, dst_dir_fd=directory)
+            _write_json(directory, meta, identity, where)
+            _unlink(directory, part_meta)
+            return where / final
+    finally:
+        os.close(directory)
 
 
-def _download(read: Callable[[int, int], bytes], part: Path, size: int, url: str) -> None:
+Reader = Callable[[int, int], bytes | bytearray]
+"""Bytes ``[start, stop)`` of the remote object."""
+
+
+def _reader(fs: Any, path: str, url: str) -> Reader:
+    """How to read a window of the object: over HTTP a streamed ranged GET that stops at the window's size
+    (:func:`_http_window`); elsewhere ``fs.cat_file`` (object stores' clients ask for exactly the range)."""
+    if type(fs).__name__ == "HTTPFileSystem" and all(
+        hasattr(fs, name) for name in ("set_session", "encode_url", "kwargs", "loop")
+    ):
+        from fsspec.asyn import sync
+
+        return lambda start, stop: sync(fs.loop, _http_window, fs, path, url, start, stop)
+    return lambda start, stop: fs.cat_file(path, start=start, end=stop)
+
+
+async def _http_window(fs: Any, path: str, url: str, start: int, stop: int) -> bytearray:
+    """Bytes ``[start, stop)`` over HTTP, read as they arrive: at most ``stop - start`` + :data:`SLACK` bytes are
+    taken from the response, whatever the server sends.
+
+    Raises:
+        SnapshotError: the server ignored the range (a whole-object answer to a ranged request past the start) or
+            sent more than was asked; the rest of its answer is never read.
+    """
+    want = stop - start
+    options = dict(fs.kwargs)
+    headers = dict(options.pop("headers", None) or {})
+    headers["Range"] = f"bytes={start}-{stop - 1}"
+    headers.setdefault("Accept-Encoding", "identity")  # the range is of the object's bytes, not of a compression
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(path), headers=headers, **options) as response:
+        if response.status == 404:
+            raise FileNotFoundError(f"no snapshot at {url}")
+        response.raise_for_status()
+        if response.status != 206 and start > 0:
+            response.close()  # hang up: the rest of a whole-object answer is never read
+            raise SnapshotError(
+                f"{url}: asked for bytes {start}-{stop} and got the whole object (HTTP {response.status}): the "
+                f"server ignores Range, which a download needs; serve it from a server that supports ranges"
+            )
+        content_range = response.headers.get("Content-Range")
+        if response.status == 206 and content_range is not None and not content_range.startswith(f"bytes {start}-"):
+            response.close()
+            raise SnapshotError(f"{url}: asked for bytes {start}-{stop}, the server sent {content_range[:80]!r}")
+        received = bytearray()
+        while True:
+            piece = await response.content.read(min(SLACK, want + 1 - len(received)))
+            if not piece:
+                return received
+            received += piece
+            if len(received) > want:
+                response.close()
+                raise SnapshotError(
+                    f"{url}: asked for bytes {start}-{stop} ({want} bytes), the server sent more"
+                    f"{' (it ignores Range)' if response.status != 206 else ''}: refused after {len(received)} "
+                    f"bytes; serve it from a server that answers ranges exactly"
+                )
+
+
+def _download(read: Reader, directory: int, part: str, size: int, url: str, where: Path) -> None:
     """Append ``[len(part), size)`` of the object to ``part``, one window at a time, each flushed as written:
     an interruption leaves a prefix to resume from."""
-    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = _open(directory, part, os.O_WRONLY | os.O_CREAT, where)
     try:
         done = os.fstat(fd).st_size
         if done > size:
@@ -194,8 +403,8 @@ def _download(read: Callable[[int, int], bytes], part: Path, size: int, url: str
         os.close(fd)
 
 
-def _verify(part: Path, url: str) -> None:
-    fd = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
+def _verify(directory: int, part: str, url: str, where: Path) -> None:
+    fd = _open(directory, part, os.O_RDONLY, where)
     try:
         size = os.fstat(fd).st_size
         if size == 0:

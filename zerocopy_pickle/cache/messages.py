@@ -4,7 +4,8 @@ the wrong type or out of range is a :class:`protocol.ProtocolError`, never a ``K
 
 Who sends what::
 
-    client -> server      Ping | Get | Put | StatusRequest | Clear | Stop        (limits: protocol.REQUEST)
+    client -> server      Ping | Get | StatusRequest | Clear | Stop   (limits: protocol.REQUEST)
+                          Put                                         (limits: protocol.PUT; see request_limits)
     server -> client      Pong | EntryReply | Miss | StatusReply | Cleared | Done | Failure
     server -> zygote      Job | Preload | Stop
     zygote -> server      Ready
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
-from .protocol import MAX_BUFFERS, MAX_FDS, ProtocolError
+from .protocol import MAX_BUFFERS, MAX_FDS, PUT, REQUEST, Limits, ProtocolError
 
 __all__ = [
     "MAX_PLUGINS",
@@ -56,6 +57,7 @@ __all__ = [
     "decode_reply",
     "decode_request",
     "encode_buffer_table",
+    "request_limits",
 ]
 
 MAX_PLUGINS = 1000
@@ -321,6 +323,12 @@ class Put:
 
 _REQUESTS: dict[str, Any] = {c.OP: c for c in (Ping, StatusRequest, Clear, Stop, Get, Put)}
 Request = Ping | Get | Put
+
+
+def request_limits(header: dict[str, Any]) -> Limits:
+    """The limits of the kind of client message ``header`` is: :data:`protocol.PUT` for a put, else
+    :data:`protocol.REQUEST` (the server receives with ``protocol.receive(conn, protocol.CLIENT, request_limits)``)."""
+    return PUT if header.get("op") == Put.OP else REQUEST
 
 
 def decode_request(header: dict[str, Any], fds: int = 0) -> Request:

@@ -5,9 +5,12 @@ Messages are a JSON header, an optional binary payload, and file descriptors pas
     u32 header length | u32 payload length | header (UTF-8 JSON) | payload
 
 The file descriptors travel with the first ``sendmsg`` of a message, so the receiver's first ``recvmsg`` of
-that message collects them. Each kind of message has limits (:data:`REQUEST`, :data:`ENTRY`): the receiver
-checks the declared lengths and the number of fds against them before it allocates anything, and reads a body
-into a buffer that grows only as its bytes arrive.
+that message collects them. Each kind of message has limits (:data:`REQUEST`, :data:`PUT`, :data:`ENTRY`): the
+receiver checks the declared lengths and the number of fds against them before it allocates anything, and reads a
+body into a buffer that grows only as its bytes arrive. A header is decoded by :func:`decode_header`, in time and
+memory linear in its length: strict UTF-8, nested at most :data:`MAX_JSON_DEPTH` deep (counted before the parser
+runs, so no header makes it recurse), numbers of at most :data:`MAX_NUMBER_CHARS` characters, no key twice in one
+object, an object at the top.
 
 Who may talk to the server: the socket lives in a directory owned by the user, mode 0700 (other users cannot
 even reach it), and the server checks every connecting peer's credentials (``SO_PEERCRED``) against its own
@@ -18,27 +21,33 @@ so nobody can prepare a trap directory in advance.
 from __future__ import annotations
 
 import array
-import contextlib
 import json
 import os
+import re
 import socket
-import stat
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ZeroCopyPickleError
+from ..remote import private_directory
 
 __all__ = [
+    "CLIENT",
+    "DECODE_BYTES_PER_BYTE",
     "ENTRY",
     "MAX_BUFFERS",
     "MAX_FDS",
+    "MAX_JSON_DEPTH",
+    "MAX_NUMBER_CHARS",
+    "PUT",
     "REQUEST",
     "CacheError",
     "Limits",
     "ProtocolError",
+    "decode_header",
     "open_private_directory",
     "peer_credentials",
     "receive",
@@ -62,11 +71,23 @@ class Limits:
     fds: int
 
 
-REQUEST = Limits(header=64 << 20, payload=1 << 30, fds=MAX_FDS)
-"""A client's request: a key, the call's name, the keys it references (header) and the call's arguments,
-pickled with cached objects as references (payload); or a ``put`` (a result the client loaded itself: its buffer
-table in the header, the arguments and the result's stream as the payload, its segments as fds). Only a put may
-carry file descriptors (``messages.decode_request``)."""
+REQUEST = Limits(header=1 << 20, payload=64 << 20, fds=0)
+"""A client's request (``ping``, ``get``, ``status``, ``clear``, ``stop``): a key, the call's name, the keys it
+references and the files its key was computed from (header: 1 MiB holds the 4096 files a request may name) and the
+call's arguments, pickled with cached objects as references (payload: 64 MiB); no file descriptors."""
+
+PUT = Limits(header=16 << 20, payload=1 << 30, fds=MAX_FDS)
+"""A client's ``put`` (a result it loaded itself, for the cache: an entry in the making): its request as the
+``get`` named it and its buffer table (header: 16 MiB holds about 250,000 rows, more storages than the largest
+mixture-of-experts checkpoints have), the call's arguments and the result's stream (payload: 1 GiB), its segments
+(fds)."""
+
+CLIENT = Limits(
+    header=max(REQUEST.header, PUT.header), payload=max(REQUEST.payload, PUT.payload), fds=max(REQUEST.fds, PUT.fds)
+)
+"""What the server admits on a client message's length prefix, before it knows the message's kind: the widest of
+:data:`REQUEST` and :data:`PUT`. Once the header is decoded, the message's own kind's limits apply (checked
+before its payload is read): see :func:`receive`'s ``limits_of``."""
 
 ENTRY = Limits(header=256 << 20, payload=4 << 30, fds=MAX_FDS)
 """An entry and its kin (server to client, loader to server, server to loader): a buffer table of at most
@@ -75,6 +96,18 @@ model's Python objects but none of its tensor bytes (payload); segment fds."""
 
 MAX_BUFFERS = 1 << 20
 """Rows (tensor storages) one entry may have; an entry also uses at most :data:`MAX_FDS` segments."""
+
+MAX_JSON_DEPTH = 32
+"""Arrays and objects one message header may nest (this protocol's own messages nest at most 6 deep)."""
+
+MAX_NUMBER_CHARS = 40
+"""Characters of one number in a message header (sign, digits, point, exponent): this protocol's numbers are
+sizes, offsets, ids and times, under 2**64; Python's conversion of long digit strings is quadratic."""
+
+DECODE_BYTES_PER_BYTE = 48
+"""What decoding a header may cost in memory, per byte of header, at most: the parsed value (the worst case,
+arrays nested in arrays, takes about 41 bytes per byte: two characters make a list), with the copies made before
+it. A 1 MiB request costs at most 48 MiB to decode, a 16 MiB put 768 MiB."""
 
 _CHUNK = 1 << 20  # a message body is read in pieces: memory grows with what arrived, never with what is claimed
 _PREFIX = struct.Struct("<II")
@@ -115,46 +148,14 @@ def open_private_directory(path: Path, *, create: bool = True, what: str = "cach
     access for group or others. Created with mode 0700 (and missing parents) when ``create``.
 
     The checks are made on the opened directory (``O_NOFOLLOW``), so a name swapped after the check is not
-    what gets used: open what is inside relative to the fd (``dir_fd=``).
+    what gets used: open what is inside relative to the fd (``dir_fd=``). They are
+    :func:`zerocopy_pickle.remote.private_directory`'s (URL loads' download directory gets the same ones).
 
     Raises:
         CacheError: the directory is missing (``create=False``), is a symlink or not a directory, belongs to
             another user, or is accessible to others; the message says how to fix it.
     """
-    if create:
-        with contextlib.suppress(FileExistsError):
-            path.mkdir(mode=0o700, parents=True)
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError as e:
-        raise CacheError(f"the {what} {path} does not exist") from e
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise CacheError(
-            f"the {what} {path} is not a plain directory (a symlink or a file): refusing to use it; "
-            "name a directory of your own instead"
-        )
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise CacheError(f"the {what} {path} cannot be opened as a plain directory ({e.strerror})") from e
-    try:
-        opened = os.fstat(fd)
-        if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
-            raise CacheError(f"the {what} {path} was replaced while it was being checked: refusing to use it")
-        if opened.st_uid != os.getuid():
-            raise CacheError(
-                f"the {what} {path} belongs to uid {opened.st_uid}, not to you (uid {os.getuid()}): refusing to "
-                "use it, since whoever owns it controls what is in it; name a directory of your own instead"
-            )
-        if opened.st_mode & 0o077:
-            raise CacheError(
-                f"the {what} {path} is accessible to other users (mode {stat.S_IMODE(opened.st_mode):o}); "
-                f"it must be 0700: chmod 700 {path}"
-            )
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return private_directory(path, create=create, what=what, error=CacheError)
 
 
 def socket_path(create: bool = True) -> Path:
@@ -193,16 +194,20 @@ def send(
         sock.sendall(payload)
 
 
-def receive(sock: socket.socket, limits: Limits = ENTRY) -> tuple[dict[str, Any], bytes, list[int]]:
+def receive(
+    sock: socket.socket, limits: Limits = ENTRY, limits_of: Callable[[dict[str, Any]], Limits] | None = None
+) -> tuple[dict[str, Any], bytes, list[int]]:
     """Receive one message: ``(header, payload, fds)``. The caller owns (and must close) the fds.
 
     The declared lengths are checked against ``limits`` before anything is allocated, and the body is read in
     pieces, so memory grows only with the bytes that actually arrive: a peer cannot make the receiver reserve
-    gigabytes with a 12-byte message.
+    gigabytes with a 12-byte message. With ``limits_of`` (the limits of the kind of message a header is), the decoded
+    header's kind's limits are checked too, against the declared lengths and the fds that came, before the payload
+    is read. The header is decoded by :func:`decode_header`.
 
     Raises:
         ProtocolError: the peer hung up mid-message, sent something malformed, or declared a message (or sent
-            more file descriptors) beyond ``limits``. The connection is then out of step: close it.
+            more file descriptors) beyond ``limits`` or its kind's. The connection is then out of step: close it.
         ConnectionError: the peer hung up before a message started (EOF).
     """
     fds: list[int] = []
@@ -217,31 +222,112 @@ def receive(sock: socket.socket, limits: Limits = ENTRY) -> tuple[dict[str, Any]
                     received.frombytes(cmsg[: len(cmsg) - len(cmsg) % received.itemsize])
                     fds.extend(received)
             if flags & socket.MSG_CTRUNC or len(fds) > limits.fds:
-                raise ProtocolError(f"the peer sent more file descriptors than the {limits.fds} a message may carry")
+                raise ProtocolError(
+                    f"the peer sent more file descriptors than the {limits.fds} a message may carry: refused"
+                )
             if not data:
                 if prefix or fds:
                     raise ProtocolError("the peer hung up in the middle of a message")
                 raise ConnectionError("the peer closed the connection")
             prefix += data
         header_nbytes, payload_nbytes = _PREFIX.unpack(prefix)
-        if header_nbytes > limits.header or payload_nbytes > limits.payload:
-            raise ProtocolError(
-                f"the peer declared a message of {header_nbytes} header and {payload_nbytes} payload bytes; this "
-                f"kind of message may have at most {limits.header} and {limits.payload}: refused"
-            )
-        blob = _receive_exactly(sock, header_nbytes)
+        _check_limits(header_nbytes, payload_nbytes, len(fds), limits, "this kind of message")
+        header = decode_header(_receive_exactly(sock, header_nbytes))
+        if limits_of is not None:
+            what = f"a {str(header.get('op'))[:40]!r} message"
+            _check_limits(header_nbytes, payload_nbytes, len(fds), limits_of(header), what)
         payload = _receive_exactly(sock, payload_nbytes)
-        try:
-            header = json.loads(blob)
-        except ValueError as e:
-            raise ProtocolError(f"the message header is not JSON: {e}") from e
-        if not isinstance(header, dict):
-            raise ProtocolError("the message header is not a JSON object")
         return header, payload, fds
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
+
+
+def _check_limits(header_nbytes: int, payload_nbytes: int, fds: int, limits: Limits, what: str) -> None:
+    if header_nbytes > limits.header or payload_nbytes > limits.payload:
+        raise ProtocolError(
+            f"the peer declared a message of {header_nbytes} header and {payload_nbytes} payload bytes; {what} "
+            f"may have at most {limits.header} and {limits.payload}: refused"
+        )
+    if fds > limits.fds:
+        raise ProtocolError(f"the peer sent {fds} file descriptors; {what} may carry at most {limits.fds}: refused")
+
+
+_STRING_OR_OTHER = re.compile(r'"[^"]*"|[^\[\]{}"]+')  # a string (escapes removed first), or what is not a bracket
+_BRACKETS = str.maketrans("{}", "[]", '"')
+
+
+def decode_header(blob: bytes) -> dict[str, Any]:
+    """A message header: a JSON object in strict UTF-8, nested at most :data:`MAX_JSON_DEPTH` deep, numbers of at
+    most :data:`MAX_NUMBER_CHARS` characters, no key twice in one object.
+
+    Time and memory are linear in ``len(blob)``: the nesting is counted before the parser runs (so no header makes
+    it recurse), in at most :data:`MAX_JSON_DEPTH` passes over the header's brackets; no number is converted that
+    is longer than the bound; memory: at most :data:`DECODE_BYTES_PER_BYTE` bytes per byte of header.
+
+    Raises:
+        ProtocolError: it is not such a header (the message says why).
+    """
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"the message header is not UTF-8 ({e.reason} at byte {e.start})") from None
+    _check_nesting(text)
+    try:
+        header = json.loads(text, parse_int=_int, parse_float=_float, object_pairs_hook=_object)
+    except ProtocolError:
+        raise
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise ProtocolError(f"the message header is not JSON: {str(e)[:200]}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"the message header is not a JSON object (a {type(header).__name__})")
+    return header
+
+
+def _check_nesting(text: str) -> None:
+    """Refuse a header whose arrays and objects nest deeper than :data:`MAX_JSON_DEPTH` (or whose brackets do not
+    pair up), counting only brackets outside strings, without recursion."""
+    # Escaped backslashes, then escaped quotes: every quote left delimits a string (in any header the parser
+    # reads that far; outside a string a backslash stops it).
+    bare = text.replace("\\\\", "").replace('\\"', "")
+    brackets = _STRING_OR_OTHER.sub("", bare).translate(_BRACKETS)
+    for _ in range(MAX_JSON_DEPTH):  # each pass takes away the innermost pairs: one level
+        if not brackets:
+            return
+        shorter = brackets.replace("[]", "")
+        if len(shorter) == len(brackets):
+            break
+        brackets = shorter
+    if not brackets:
+        return
+    if "[]" in brackets:
+        raise ProtocolError(f"the message header nests arrays or objects more than {MAX_JSON_DEPTH} deep: refused")
+    raise ProtocolError("the message header's brackets do not pair up: it is not JSON")
+
+
+def _int(text: str) -> int:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise ProtocolError(f"the message header has a number of {len(text)} digits (at most {MAX_NUMBER_CHARS})")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise ProtocolError(f"the message header has a number of {len(text)} characters (at most {MAX_NUMBER_CHARS})")
+    return float(text)
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                break
+            seen.add(key)
+        raise ProtocolError(f"the message header has the key {key[:100]!r} twice in one object")
+    return value
 
 
 def _receive_exactly(sock: socket.socket, nbytes: int) -> bytes:

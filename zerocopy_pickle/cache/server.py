@@ -1,14 +1,18 @@
 """Internal: the cache server: holds entries (sealed memfds, and the checkpoint files they reference) and hands them to
 clients over a Unix socket.
 
-One thread per client connection. A hit is answered from memory: the entry's stream and buffer table, and
-duplicates of its segments' fds (``SCM_RIGHTS``). A miss of a patched call (a ``get`` with ``fill``) is answered
-at once: the client loads the call itself, as it would without the cache, and sends the result afterwards (a
-``put``: its stream, buffer table, a sealed memfd and the checkpoint files it references), which the server files
-as the entry. A ``get`` without ``fill`` goes to the loader (``loader.py``) on a miss: concurrent requests for the
-same key wait for one load. The server imports neither torch nor any model library, so it starts in a fraction
-of a second and never holds a CUDA context; the loader's zygote, which pays the imports once, is started when
-the first load needs it.
+One thread per client connection, at most :data:`MAX_CONNECTIONS` at a time: a connection beyond them is answered at
+once with a refusal (the client then loads directly) and counted (``refused_connections`` in status). A connection
+that sends nothing for :data:`IDLE_TIMEOUT` seconds is closed. Every message is read within the limits of its kind
+(``protocol.REQUEST``, ``protocol.PUT``); anything malformed is answered with a ``protocol error`` (then the
+connection is closed) or a ``malformed request`` (the connection serves on). A hit is answered from memory: the
+entry's stream and buffer table, and duplicates of its segments' fds (``SCM_RIGHTS``). A miss of a patched call (a
+``get`` with ``fill``) is answered at once: the client loads the call itself, as it would without the cache, and
+sends the result afterwards (a ``put``: its stream, buffer table, a sealed memfd and the checkpoint files it
+references), which the server files as the entry. A ``get`` without ``fill`` goes to the loader (``loader.py``) on a
+miss: concurrent requests for the same key wait for one load. The server imports neither torch nor any model
+library, so it starts in a fraction of a second and never holds a CUDA context; the loader's zygote, which pays the
+imports once, is started when the first load needs it.
 
 Run with ``zerocopy-pickle serve`` (``--max-bytes``, ``--persist DIR``), or let a patched client start it.
 """
@@ -49,15 +53,24 @@ from .messages import (
     StatusRequest,
     Stop,
     decode_request,
+    request_limits,
 )
-from .protocol import MAX_FDS, REQUEST, CacheError, ProtocolError, peer_credentials, receive, runtime_dir, send
+from .protocol import CLIENT, MAX_FDS, CacheError, ProtocolError, peer_credentials, receive, runtime_dir, send
 from .store import Entry, Store
 
-__all__ = ["Server", "serve"]
+__all__ = ["IDLE_TIMEOUT", "MAX_CONNECTIONS", "Server", "serve"]
 
 log = logging.getLogger(__name__)
 
 LOADER_TIMEOUT = 3600.0
+
+MAX_CONNECTIONS = 64
+"""Client connections served at once, each by a thread of its own (a client holds one per call, for the call's
+request and reply): one more is answered with a refusal and closed, and counted."""
+
+IDLE_TIMEOUT = 300.0
+"""Seconds a connection may send nothing, between messages or in the middle of one, before it is closed (a
+client that stopped must not hold one of the :data:`MAX_CONNECTIONS` for ever)."""
 
 
 @dataclass
@@ -78,6 +91,8 @@ class Server:
             copying their bytes into memfds (``filebacked.py``).
         workdir: what relative paths in requests resolve against (the loader's children run calls there); the
             zygote itself runs in the socket's (private) directory. Default: the working directory.
+        max_connections: connections served at once (:data:`MAX_CONNECTIONS`).
+        idle_timeout: seconds a connection may send nothing before it is closed (:data:`IDLE_TIMEOUT`).
     """
 
     def __init__(
@@ -89,6 +104,8 @@ class Server:
         loader_timeout: float = LOADER_TIMEOUT,
         file_segments: bool = True,
         workdir: str | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        idle_timeout: float = IDLE_TIMEOUT,
     ) -> None:
         self.path = path
         self.workdir = workdir if workdir is not None else os.getcwd()
@@ -105,6 +122,10 @@ class Server:
         self._listener: socket.socket | None = None
         self._lock_fd = -1
         self._learned: set[str] = set()  # modules loader children imported: preloaded into every new zygote
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
+        self._connections = threading.BoundedSemaphore(max_connections)  # a slot per connection thread
+        self.refused_connections = 0  # connections answered with a refusal: the server served its limit
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 
@@ -145,9 +166,27 @@ class Server:
                     if self.stopping.is_set():
                         break
                     raise
-                threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
+                self._start_connection(conn)
         finally:
             self.close()
+
+    def _start_connection(self, conn: socket.socket) -> None:
+        """Serve ``conn`` on a thread of its own if fewer than ``max_connections`` are served, else refuse it
+        (without waiting for the peer: the accepting thread never blocks on one)."""
+        if not self._connections.acquire(blocking=False):
+            self.refused_connections += 1
+            with conn, contextlib.suppress(OSError):
+                conn.setblocking(False)
+                send(conn, Failure(f"the cache server serves {self.max_connections} connections at once, its "
+                                   "limit: refused (the call loads directly)").encode())  # fmt: skip
+            return
+        try:
+            threading.Thread(target=self._serve_connection, args=(conn,), name="zerocopy_pickle-cache-conn",
+                             daemon=True).start()  # fmt: skip
+        except BaseException:
+            self._connections.release()
+            conn.close()
+            raise
 
     def stop(self) -> None:
         self.stopping.set()
@@ -232,39 +271,55 @@ class Server:
     # -- requests ------------------------------------------------------------------------------------------------
 
     def _serve_connection(self, conn: socket.socket) -> None:
-        with conn:
-            _, uid, _ = peer_credentials(conn)
-            if uid != os.getuid():
+        try:
+            with conn:
+                conn.settimeout(self.idle_timeout)
+                self._serve_requests(conn)
+        finally:
+            self._connections.release()
+
+    def _serve_requests(self, conn: socket.socket) -> None:
+        _, uid, _ = peer_credentials(conn)
+        if uid != os.getuid():
+            with contextlib.suppress(OSError):
+                send(conn, Failure(f"uid {uid} may not use the cache of uid {os.getuid()}").encode())
+            return
+        while not self.stopping.is_set():
+            try:
+                header, payload, fds = receive(conn, CLIENT, request_limits)
+            except ProtocolError as e:  # out of step (or a hostile peer): say why, and hang up
                 with contextlib.suppress(OSError):
-                    send(conn, Failure(f"uid {uid} may not use the cache of uid {os.getuid()}").encode())
+                    send(conn, Failure(f"protocol error: {e}").encode())
                 return
-            while not self.stopping.is_set():
-                try:
-                    header, payload, fds = receive(conn, REQUEST)
-                except ProtocolError as e:  # out of step (or a hostile peer): say why, and hang up
-                    with contextlib.suppress(OSError):
-                        send(conn, Failure(f"protocol error: {e}").encode())
-                    return
-                except (ConnectionError, OSError):
-                    return
-                try:
-                    request = decode_request(header, len(fds))
-                except ProtocolError as e:  # a malformed request: refuse it, serve on
-                    for fd in fds:
-                        os.close(fd)
-                    with contextlib.suppress(OSError):
-                        send(conn, Failure(f"malformed request ({e})").encode())
-                    continue
-                try:
-                    if isinstance(request, Put):
-                        self._put(conn, request, payload, fds)  # takes the fds
-                    else:
-                        self._dispatch(conn, request, payload)
-                except (BrokenPipeError, ConnectionResetError):
-                    return  # the client went away mid-reply; whatever it was sent dies with the socket
-                except CacheError as e:
-                    with contextlib.suppress(OSError):
-                        send(conn, Failure(str(e)).encode())
+            except TimeoutError:
+                with contextlib.suppress(OSError):
+                    send(conn, Failure(f"protocol error: nothing arrived for {self.idle_timeout:.0f} s").encode())
+                return
+            except (ConnectionError, OSError):
+                return
+            try:
+                request = decode_request(header, len(fds))
+            except Exception as e:  # a malformed request (ProtocolError, or anything a check missed): refuse it
+                for fd in fds:
+                    os.close(fd)
+                with contextlib.suppress(OSError):
+                    send(conn, Failure(f"malformed request ({e})"[:2000]).encode())
+                continue
+            try:
+                if isinstance(request, Put):
+                    self._put(conn, request, payload, fds)  # takes the fds
+                else:
+                    self._dispatch(conn, request, payload)
+            except (BrokenPipeError, ConnectionResetError):
+                return  # the client went away mid-reply; whatever it was sent dies with the socket
+            except CacheError as e:
+                with contextlib.suppress(OSError):
+                    send(conn, Failure(str(e)).encode())
+            except Exception as e:  # a bug, not the peer's doing: say so, log it, hang up; the server serves on
+                log.exception("serving a %s request failed", type(request).__name__)
+                with contextlib.suppress(OSError):
+                    send(conn, Failure(f"the cache server failed ({type(e).__name__}: {e})"[:2000]).encode())
+                return
 
     def _dispatch(self, conn: socket.socket, request: Ping | Get, payload: bytes) -> None:
         if isinstance(request, Get):
@@ -272,7 +327,9 @@ class Server:
         elif isinstance(request, StatusRequest):
             zygote = self._zygote.pid if self._zygote is not None and self._zygote.poll() is None else None
             ready = zygote is not None and self._zygote_ready.is_set()
-            status = {**self.store.status(), "pid": os.getpid(), "loader_pid": zygote, "loader_ready": ready}
+            status = {**self.store.status(), "pid": os.getpid(), "loader_pid": zygote, "loader_ready": ready,
+                      "max_connections": self.max_connections,
+                      "refused_connections": self.refused_connections}  # fmt: skip
             send(conn, StatusReply(status).encode())
         elif isinstance(request, Clear):
             send(conn, Cleared(self.store.clear()).encode())
