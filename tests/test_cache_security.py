@@ -443,3 +443,325 @@ def test_the_start_directory_leaves_sys_path_but_explicit_entries_stay(tmp_path:
         first, cleaned, as_if_dash_m = json.loads(proc.stdout)
         assert first == "" and "" not in cleaned and str(REPO) in cleaned  # -c: '' goes, PYTHONPATH stays
         assert (str(tmp_path) in as_if_dash_m) is kept  # -m: the working directory goes unless named explicitly
+
+
+# -- limits of each kind of message, headers that cannot crash or hang the server, the connection cap -----------
+
+from zerocopy_pickle.cache.messages import request_limits  # noqa: E402
+from zerocopy_pickle.cache.server import Server  # noqa: E402
+
+
+@contextlib.contextmanager
+def inprocess_server(**options: Any) -> Any:
+    """A :class:`Server` in this process (its counters and threads can be looked at), in a private directory."""
+    with private_dir() as directory:
+        server = Server(directory / "server.sock", workdir=str(directory), **options)
+        server.bind()
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+            thread.join(60)
+
+
+def frame(header: bytes, payload_nbytes: int = 0) -> bytes:
+    return struct.pack("<II", len(header), payload_nbytes) + header
+
+
+def padded(header: dict[str, Any], nbytes: int) -> bytes:
+    """``header`` as JSON, padded with whitespace to exactly ``nbytes``."""
+    blob = json.dumps(header).encode()
+    assert len(blob) <= nbytes
+    return blob + b" " * (nbytes - len(blob))
+
+
+def exchange(server: Server, data: bytes, fds: list[int] | None = None, payload: bytes = b"") -> tuple[Any, bool]:
+    """Send raw bytes (and fds) as one client; the reply, and whether the server hung up after it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(120)
+        sock.connect(str(server.path))
+        if fds:
+            sock.sendmsg([data[:8]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, __import__("array").array("i", fds))])
+            data = data[8:]
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused before it was all sent
+            sock.sendall(data)
+            if payload:
+                sock.sendall(payload)
+        reply, _, received = protocol.receive(sock)
+        for fd in received:
+            os.close(fd)
+        try:  # still served? a ping on the same connection says (EOF or a reset if it hung up: no waiting)
+            protocol.send(sock, {"op": "ping"})
+            closed = not protocol.receive(sock)[0]["ok"]
+        except (OSError, protocol.ProtocolError):
+            closed = True
+    return reply, closed
+
+
+def connection_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "zerocopy_pickle-cache-conn"]
+
+
+def wait_until(condition: Any, tries: int = 60_000) -> bool:
+    """Wait for ``condition()`` (polled; the bound only keeps a broken test from hanging, it is not measured)."""
+    for _ in range(tries):
+        if condition():
+            return True
+        threading.Event().wait(0.005)
+    return False
+
+
+def alive(server: Server) -> bool:
+    with Client(server.path, timeout=60) as client:
+        reply, _, _ = client.request({"op": "ping"})
+    return bool(reply["ok"])
+
+
+def refused(reply: Any, closed: bool, why: str = "") -> bool:
+    return reply["ok"] is False and "protocol error" in reply["error"] and why in reply["error"] and closed
+
+
+def test_the_limits_are_the_documented_ones_defined_once() -> None:
+    assert protocol.Limits(header=1 << 20, payload=64 << 20, fds=0) == protocol.REQUEST
+    assert protocol.Limits(header=16 << 20, payload=1 << 30, fds=protocol.MAX_FDS) == protocol.PUT
+    assert protocol.Limits(header=256 << 20, payload=4 << 30, fds=250) == protocol.ENTRY
+    assert protocol.CLIENT == protocol.PUT and protocol.MAX_BUFFERS == 1 << 20
+    assert request_limits({"op": "put"}) is protocol.PUT
+    for op in ("ping", "get", "status", "clear", "stop", "unknown", None):
+        assert request_limits({"op": op}) is protocol.REQUEST
+    text = " ".join((REPO / "docs" / "cache.md").read_text().split())
+    for documented in ("1 MiB of header, 64 MiB of payload", "16 MiB of header, 1 GiB of payload",
+                       "256 MiB of header, 4 GiB of payload"):  # fmt: skip
+        assert documented in text
+
+
+def test_each_limit_one_byte_over_is_refused_and_at_the_limit_passes_the_check() -> None:
+    """Through the very call the server makes (``receive(conn, CLIENT, request_limits)``): one byte (or fd) over
+    a limit is refused; a message declared at the limit is admitted (it then waits for its bytes: hung up here)."""
+    ping, put = {"op": "ping"}, {"op": "put"}
+    cases = [  # header bytes, declared payload bytes, header kind, fds
+        (protocol.REQUEST.header, 0, ping, 0),
+        (64, protocol.REQUEST.payload, ping, 0),
+        (protocol.PUT.header, 0, put, 0),
+        (64, protocol.PUT.payload, put, 0),
+        (64, 0, put, protocol.PUT.fds),
+    ]
+    memfd = arena.create_memfd("limits")
+    try:
+        for header_nbytes, payload_nbytes, kind, nfds in cases:
+            for over in (0, 1):
+                h = header_nbytes + over if header_nbytes > 64 else header_nbytes
+                p = payload_nbytes + over if payload_nbytes else 0
+                n = nfds + over if nfds else 0
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                with ours, theirs:
+                    data = frame(padded(kind, h), p) + b"x" * min(p, 10)
+                    sender = threading.Thread(target=_send_and_hang_up, args=(theirs, data, [memfd] * n))
+                    sender.start()
+                    try:
+                        _, _, fds = protocol.receive(ours, protocol.CLIENT, request_limits)
+                        outcome = "received"
+                        for fd in fds:
+                            os.close(fd)
+                    except protocol.ProtocolError as e:
+                        outcome = str(e)
+                    ours.shutdown(socket.SHUT_RDWR)  # a sender still writing what was refused gets EPIPE
+                    sender.join()
+                    if over:
+                        assert "refused" in outcome, (h, p, n, outcome)
+                    elif p:  # admitted: what ended it is the sender hanging up before the declared end
+                        assert "hung up" in outcome and "refused" not in outcome, (h, p, n, outcome)
+                    else:  # admitted whole
+                        assert outcome == "received", (h, p, n, outcome)
+        # A request (not a put) carries no fds at all.
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with ours, theirs:
+            _send_and_hang_up(theirs, frame(b'{"op":"get"}'), [memfd])
+            with pytest.raises(protocol.ProtocolError, match="at most 0: refused"):
+                protocol.receive(ours, protocol.CLIENT, request_limits)
+    finally:
+        os.close(memfd)
+
+
+def _send_and_hang_up(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    with contextlib.suppress(OSError):
+        if fds:
+            sock.sendmsg([data[:8]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, __import__("array").array("i", fds))])
+            data = data[8:]
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+
+
+def test_the_server_answers_one_byte_over_each_limit_with_a_protocol_error_and_hangs_up() -> None:
+    with inprocess_server() as server:
+        # One over: the reply says why, the connection is closed, the server serves on.
+        for data in (
+            frame(padded({"op": "ping"}, protocol.REQUEST.header + 1)),
+            frame(padded({"op": "ping"}, 64), protocol.REQUEST.payload + 1),
+            frame(padded({"op": "put"}, 64), protocol.PUT.payload + 1),
+            struct.pack("<II", protocol.PUT.header + 1, 0),
+        ):
+            reply, closed = exchange(server, data)
+            assert refused(reply, closed, "refused"), reply
+            assert alive(server)
+        memfd = arena.create_memfd("limits")
+        try:
+            reply, closed = exchange(server, frame(b'{"op":"ping"}'), [memfd])
+            assert refused(reply, closed, "file descriptors"), reply
+            reply, closed = exchange(server, frame(b'{"op":"put"}'), [memfd] * (protocol.PUT.fds + 1))
+            assert refused(reply, closed, "file descriptors"), reply
+            # At the limit: served (a put at its fd limit is then refused as malformed, on a connection that stays).
+            reply, closed = exchange(server, frame(b'{"op":"put"}'), [memfd] * protocol.PUT.fds)
+            assert reply["ok"] is False and "malformed request" in reply["error"] and not closed, reply
+        finally:
+            os.close(memfd)
+        reply, closed = exchange(server, frame(padded({"op": "ping"}, protocol.REQUEST.header)))
+        assert reply["ok"] and reply["pid"] == os.getpid() and not closed
+        payload = b"\0" * protocol.REQUEST.payload
+        reply, closed = exchange(server, frame(padded({"op": "ping"}, 64), len(payload)), payload=payload)
+        assert reply["ok"] and not closed
+        assert alive(server)
+
+
+HOSTILE_HEADERS = {
+    "nested 100,000 deep": b"[" * 100_000,
+    "nested 100,000 deep, closed": b"[" * 100_000 + b"]" * 100_000,
+    "objects nested deep": b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+    "invalid UTF-8": b'{"op":"ping","x":"\xff\xfe"}',
+    "a lone surrogate's bytes": b'{"op":"\xed\xa0\x80"}',
+    "not an object": b"[1, 2, 3]",
+    "a string": b'"ping"',
+    "a number of 100,000 digits": b'{"op":"ping","n":' + b"1" * 100_000 + b"}",
+    "a float of 100,000 digits": b'{"op":"ping","n":0.' + b"1" * 100_000 + b"}",
+    "a duplicate key": b'{"op":"ping","op":"stop"}',
+    "truncated": b'{"op":"pi',
+    "unbalanced": b"{" * 10,
+    "empty": b"",
+    "a byte order mark": b'\xef\xbb\xbf{"op":"ping"}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_HEADERS))
+def test_every_malformed_header_is_answered_and_the_server_serves_on(name: str) -> None:
+    with inprocess_server() as server:
+        reply, _ = exchange(server, frame(HOSTILE_HEADERS[name]))
+        assert reply["ok"] is False and ("protocol error" in reply["error"] or "malformed" in reply["error"]), reply
+        assert alive(server) and server.store.status()["entries"] == []
+        assert not server.stopping.is_set(), "a duplicate 'op' is refused, not taken as its last value"
+        assert wait_until(lambda: not connection_threads())  # each connection's thread ended, none left behind
+
+
+def test_brackets_and_digits_inside_strings_are_only_text() -> None:
+    with inprocess_server() as server:
+        for text in ("[" * 100_000, "{" * 50_000 + "]" * 50_000, '\\"' * 1000, "1" * 100_000, '"' + "[" * 1000):
+            reply, closed = exchange(server, frame(json.dumps({"op": "ping", "describe": text}).encode()))
+            assert reply["ok"] and not closed, reply
+        hidden = b'{"op":"ping","x":"\\"' + b"[" * 1000 + b'"}'  # an escaped quote does not end the string
+        assert exchange(server, frame(hidden))[0]["ok"]
+
+
+def test_the_nesting_count_agrees_with_a_reference_scanner() -> None:
+    import random
+
+    def reference(text: str) -> int | None:
+        """Max depth of brackets outside strings, as a JSON parser meets them; None where it stops at a backslash
+        outside a string (it reads no further)."""
+        depth = deepest = 0
+        inside = escaped = False
+        for ch in text:
+            if inside:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    inside = False
+            elif ch == '"':
+                inside = True
+            elif ch == "\\":
+                return deepest
+            elif ch in "[{":
+                depth += 1
+                deepest = max(deepest, depth)
+            elif ch in "]}":
+                depth -= 1
+                if depth < 0:
+                    return deepest
+        return deepest
+
+    rng = random.Random(25)
+    for _ in range(20_000):
+        text = "".join(rng.choice('[[[]]]{}"\\\\a,') for _ in range(rng.randrange(1, 80)))
+        if rng.random() < 0.3:
+            text = "[" * rng.randrange(20, 40) + text
+        try:
+            protocol._check_nesting(text)
+        except protocol.ProtocolError:
+            continue
+        assert reference(text) <= protocol.MAX_JSON_DEPTH, text  # what passes never nests deeper
+    nested = "[" * protocol.MAX_JSON_DEPTH + "]" * protocol.MAX_JSON_DEPTH
+    protocol._check_nesting(nested)
+    assert protocol.decode_header(f'{{"a":{nested[1:-1]}}}'.encode()) == {"a": json.loads(nested[1:-1])}
+    with pytest.raises(protocol.ProtocolError, match="deep"):
+        protocol._check_nesting("[" + nested + "]")
+
+
+@pytest.mark.parametrize(
+    "item", ["{}", "[]", '"ab"', "0.5", "1e5", '{"a":0}', "123456789012", "[[[[[[[[]]]]]]]]", '"",1', "null"]
+)
+def test_decoding_a_header_costs_memory_linear_in_its_length(item: str) -> None:
+    import tracemalloc
+
+    for n in (10_000, 100_000):
+        blob = ('{"a":[' + ",".join([item] * n) + "]}").encode()
+        tracemalloc.start()
+        try:
+            header = protocol.decode_header(blob)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert len(header["a"]) >= n
+        assert peak <= protocol.DECODE_BYTES_PER_BYTE * len(blob) + (64 << 10), (item, n, peak / len(blob))
+
+
+def test_connections_beyond_the_cap_are_refused_counted_and_start_no_thread() -> None:
+    cap = 4
+    with inprocess_server(max_connections=cap) as server:
+        held = []
+        try:
+            for _ in range(cap):  # each served (a ping answered), then kept open: its thread waits on it
+                client = Client(server.path, timeout=60)
+                held.append(client)
+                assert client.request({"op": "ping"})[0]["ok"]
+            assert len(connection_threads()) == cap
+            for _ in range(3):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as extra:
+                    extra.settimeout(60)
+                    extra.connect(str(server.path))
+                    reply, _, _ = protocol.receive(extra)
+                    assert reply["ok"] is False and f"{cap} connections at once" in reply["error"], reply
+                    assert extra.recv(1) == b""  # closed at once
+            assert server.refused_connections == 3
+            assert len(connection_threads()) == cap
+        finally:
+            for client in held:
+                client.close()
+        # The slots come back as their connections end (waited for, not timed).
+        assert wait_until(lambda: not connection_threads())
+        with Client(server.path, timeout=60) as client:
+            status = client.request({"op": "status"})[0]["status"]
+        assert status["refused_connections"] >= 3 and status["max_connections"] == cap
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_idle_timeout() -> None:
+    with inprocess_server(idle_timeout=0.2) as server:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle:
+            idle.settimeout(120)
+            idle.connect(str(server.path))
+            idle.sendall(struct.pack("<II", 100, 0) + b"{")  # and then nothing
+            reply, _, _ = protocol.receive(idle)
+            assert reply["ok"] is False and "nothing arrived" in reply["error"]
+            assert idle.recv(1) == b""
+        assert alive(server)
