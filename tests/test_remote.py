@@ -270,9 +270,7 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
 def test_dump_to_s3_and_load_back(s3: dict[str, Any], remote_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     downloads: list[str] = []
     real = remote._download
-    monkeypatch.setattr(
-        remote, "_download", lambda *args: (downloads.append(args[4]), real(*args))[1]
-    )
+    monkeypatch.setattr(remote, "_download", lambda *args: (downloads.append(args[4]), real(*args))[1])
     url = "s3://models/unet.zcp"
     zp.dump(state(0), url, storage_options=s3)
     assert equal(zp.load(url, storage_options=s3), state(0))
@@ -325,3 +323,187 @@ def test_a_download_leaves_the_large_folios_a_sequential_read_leaves(server: Ser
             pass
     sequential = touch_faults(cached)
     assert downloaded <= 1.5 * sequential + 64, (downloaded, sequential)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The download directory: private, never through symlinks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def file_name(url: str, suffix: str) -> str:
+    return hashlib.sha256(url.encode()).hexdigest()[:40] + suffix
+
+
+def test_a_download_directory_open_to_others_is_refused(server: Server, remote_dir: Path) -> None:
+    zp.dump(state(), server.root / "m.zcp")
+    remote_dir.mkdir(mode=0o700)
+    remote_dir.chmod(0o777)
+    with pytest.raises(remote.UnsafeDirectoryError, match=f"{re.escape(str(remote_dir))}.*chmod 700"):
+        zp.load(server.url("m.zcp"))
+    assert not server.gets(), "refused before anything was downloaded"
+    remote_dir.chmod(0o700)
+    assert equal(zp.load(server.url("m.zcp")), state())
+
+
+def test_a_symlinked_download_directory_is_refused(server: Server, remote_dir: Path, tmp_path: Path) -> None:
+    zp.dump(state(), server.root / "m.zcp")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    remote_dir.symlink_to(elsewhere)
+    with pytest.raises(remote.UnsafeDirectoryError, match=f"{re.escape(str(remote_dir))} is not a plain directory"):
+        zp.load(server.url("m.zcp"))
+    assert not list(elsewhere.iterdir())
+
+
+@pytest.mark.parametrize("suffix", [".lock", ".part", ".part.json", ".json", ".zcp"])
+def test_a_symlink_planted_at_a_file_name_is_never_followed(
+    server: Server, remote_dir: Path, tmp_path: Path, suffix: str
+) -> None:
+    zp.dump(state(), server.root / "m.zcp")
+    url = server.url("m.zcp")
+    remote_dir.mkdir(mode=0o700)
+    target = tmp_path / "victim"
+    target.write_bytes(b"do not touch")
+    (remote_dir / file_name(url, suffix)).symlink_to(target)
+    if suffix in (".part", ".zcp"):  # names a download removes or replaces whole: the link goes, never followed
+        assert equal(zp.load(url), state())
+        assert not (remote_dir / file_name(url, suffix)).is_symlink()
+    else:
+        with pytest.raises(remote.UnsafeDirectoryError, match=f"{re.escape(file_name(url, suffix))}.*rm "):
+            zp.load(url)
+    assert target.read_bytes() == b"do not touch"
+
+
+def test_a_fifo_planted_at_a_file_name_does_not_block(server: Server, remote_dir: Path) -> None:
+    zp.dump(state(), server.root / "m.zcp")
+    url = server.url("m.zcp")
+    remote_dir.mkdir(mode=0o700)
+    for suffix in (".lock", ".json"):
+        os.mkfifo(remote_dir / file_name(url, suffix))
+        with pytest.raises(remote.UnsafeDirectoryError, match="not a regular file"):
+            zp.load(url)
+        os.unlink(remote_dir / file_name(url, suffix))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory another user's needs root (os.chown)")
+def test_a_download_directory_of_another_user_is_refused(server: Server, remote_dir: Path) -> None:
+    zp.dump(state(), server.root / "m.zcp")
+    remote_dir.mkdir(mode=0o700)
+    os.chown(remote_dir, 65534, 65534)
+    with pytest.raises(remote.UnsafeDirectoryError, match=f"{re.escape(str(remote_dir))} belongs to uid 65534"):
+        zp.load(server.url("m.zcp"))
+    os.chown(remote_dir, 0, 0)
+    url = server.url("m.zcp")
+    (remote_dir / file_name(url, ".lock")).touch(mode=0o600)
+    os.chown(remote_dir / file_name(url, ".lock"), 65534, 65534)  # a file of someone else's inside
+    with pytest.raises(remote.UnsafeDirectoryError, match="uid 65534"):
+        zp.load(url)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A server that ignores Range: the client stops after the window, without buffering the body
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Flood(http.server.BaseHTTPRequestHandler):
+    """Claims a huge object and answers every GET with all of it (ignoring Range), or with a 206 that goes on past
+    the range (``server.mode``); counts what it managed to write before the client hung up."""
+
+    protocol_version = "HTTP/1.1"
+    server: FloodServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(self.server.size))
+        self.send_header("ETag", '"flood"')
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        rng = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
+        start = int(rng[1]) if rng else 0
+        if self.server.mode == "ignore":
+            self.send_response(200)
+            self.send_header("Content-Length", str(self.server.size))
+        else:
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{self.server.size - 1}/{self.server.size}")
+            self.send_header("Content-Length", str(self.server.size - start))
+        self.end_headers()
+        chunk, sent = b"\0" * (64 << 10), 0
+        try:
+            while sent < self.server.size:
+                self.wfile.write(chunk)
+                sent += len(chunk)
+        except OSError:
+            pass
+        finally:
+            self.server.sent.append(sent)
+            self.server.done.set()
+            self.close_connection = True
+
+
+class FloodServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, mode: str, size: int) -> None:
+        super().__init__(("127.0.0.1", 0), Flood)
+        self.mode, self.size = mode, size
+        self.sent: list[int] = []
+        self.done = threading.Event()
+
+
+@pytest.mark.parametrize("mode", ["ignore", "overlong"])
+def test_a_server_sending_more_than_a_window_is_cut_off_after_the_window(
+    mode: str, small_windows: int, remote_dir: Path
+) -> None:
+    size = 1 << 30  # claimed and sent (zeros, made as they go), never held by either side
+    flood = FloodServer(mode, size)
+    thread = threading.Thread(target=flood.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{flood.server_address[1]}/big.zcp"
+        with pytest.raises(zp.SnapshotError, match="the server sent more"):
+            remote.fetch(url)
+        assert flood.done.wait(120), "the client hung up (waited for, not timed)"
+        # What the server managed to write: the window and the slack the client read, plus what the kernel's
+        # socket buffers held: nowhere near the gigabyte it tried to send.
+        assert flood.sent[0] < small_windows + remote.SLACK + (32 << 20), flood.sent
+        if mode == "ignore":  # a window past the start: refused on the status line, no body read at all
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(url)
+            with pytest.raises(zp.SnapshotError, match="ignores Range"):
+                remote._reader(fs, path, url)(small_windows, 2 * small_windows)
+    finally:
+        flood.shutdown()
+        flood.server_close()
+
+
+def test_a_ranged_read_takes_at_most_the_window_and_the_slack(small_windows: int) -> None:
+    """Bytes the client takes from the response, counted through a wrapper around aiohttp's stream reader."""
+    import aiohttp
+
+    flood = FloodServer("ignore", 1 << 30)
+    thread = threading.Thread(target=flood.serve_forever, daemon=True)
+    thread.start()
+    taken: list[int] = []
+    real = aiohttp.StreamReader.read
+
+    async def counting(self: Any, n: int = -1) -> bytes:
+        data: bytes = await real(self, n)
+        taken.append(len(data))
+        return data
+
+    try:
+        url = f"http://127.0.0.1:{flood.server_address[1]}/big.zcp"
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(aiohttp.StreamReader, "read", counting)
+            with pytest.raises(zp.SnapshotError, match="the server sent more"):
+                remote.fetch(url)
+        assert small_windows < sum(taken) <= small_windows + remote.SLACK, taken
+    finally:
+        flood.shutdown()
+        flood.server_close()
