@@ -193,6 +193,8 @@ constexpr uint64_t kCollisionFloor = uint64_t(1) << 25;   // semantics.COLLISION
 enum HashKind : uint8_t { kSecret = 0, kKnown = 1, kChosen = 2 };  // semantics._SECRET, _KNOWN, _CHOSEN
 // semantics._HASHK: a tuple's or frozenset's hash kind from the bit set of its items' (1 << kind).
 constexpr uint8_t kHashOfItems[8] = {kKnown, kSecret, kChosen, kSecret, kChosen, kChosen, kChosen, kChosen};
+// semantics._FROZEN_HASHK: a frozenset XORs its members' hashes, so a common secret member cancels out.
+constexpr uint8_t kFrozenHashOfItems[8] = {kKnown, kSecret, kChosen, kChosen, kChosen, kChosen, kChosen, kChosen};
 
 enum Code : int { kOk = 0, kMalformed = 1, kRefused = 2, kTooDeep = 3, kDefer = 4 };
 enum Kind : uint8_t { kPrim, kStr, kBytes, kTuple, kList, kDict, kSet, kFrozenset, kGlobal, kResult, kBuffer };
@@ -605,7 +607,7 @@ class Analyzer {
     *depth_out = depth + 1;
     *size_out = size;
     if (hashk_out != nullptr) {
-      *hashk_out = kHashOfItems[bits];
+      *hashk_out = static_cast<uint8_t>(bits);  // the callers map it: kHashOfItems, kFrozenHashOfItems
     }
     return true;
   }
@@ -904,7 +906,7 @@ class Analyzer {
           return;
         }
         stack_.resize(size - n);
-        stack_.push_back(new_tag(kTuple, kNone, depth, tuple_size, hashk));
+        stack_.push_back(new_tag(kTuple, kNone, depth, tuple_size, kHashOfItems[hashk]));
         return;
       }
       case '(':  // MARK
@@ -928,7 +930,10 @@ class Analyzer {
           return;
         }
         const uint8_t kind = op == 't' ? kTuple : op == 'l' ? kList : op == 'd' ? kDict : kFrozenset;
-        const uint32_t made = new_tag(kind, kNone, depth, made_size, kind == kTuple || kind == kFrozenset ? hashk : kSecret);
+        const uint8_t made_hashk = kind == kTuple       ? kHashOfItems[hashk]
+                                   : kind == kFrozenset ? kFrozenHashOfItems[hashk]
+                                                        : kSecret;
+        const uint32_t made = new_tag(kind, kNone, depth, made_size, made_hashk);
         if ((op == 'd' && !charge_hashing(made, from, size, 2, start)) ||
             (op == 0x91 && !charge_hashing(made, from, size, 1, start))) {
           return;

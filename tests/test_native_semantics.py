@@ -332,6 +332,12 @@ CASES: dict[str, tuple[bytes, int]] = {
         TOO_DEEP,
     ),
     "big-int-key-once": (b"}\x8b\x00\x00\x10\x00" + b"\x07" * (1 << 20) + b"Ns.", OK),
+    # A frozenset XORs its members' hashes: a secret member common to all cancels out.
+    "chosen-frozenset-keys": (
+        b"}(" + b"".join(b"(\x8c\x01sJ%s\x91N" % i.to_bytes(4, "little") for i in range(9000)) + b"u.",
+        TOO_DEEP,
+    ),
+    "secret-frozenset-keys": (b"}(" + b"".join(b"(\x8c\x06%06d\x91N" % i for i in range(20000)) + b"u.", OK),
     "long-module-name": (b"c" + b"m" * 1025 + b"\nx\n.", MALFORMED),
     "long-qualname": (b"cm\n" + b"x" * 1025 + b"\n.", MALFORMED),
     "long-names-ok": (b"c" + b"m" * 1024 + b"\n" + b"x" * 1024 + b"\n.", OK),

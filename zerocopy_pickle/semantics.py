@@ -216,15 +216,20 @@ def _container(kind: int, items: list[_Tag], pos: int) -> _Tag:
         hashk |= 1 << item.hashk
     if depth >= MAX_DEPTH:
         raise _too_deep(pos)
-    return _Tag(kind, None, depth + 1, min(size, _SIZE_CAP), _HASHK[hashk] if kind in _IMMUTABLE else _SECRET)
+    hashk = _HASHK[hashk] if kind == _TUPLE else _FROZEN_HASHK[hashk] if kind == _FROZENSET else _SECRET
+    return _Tag(kind, None, depth + 1, min(size, _SIZE_CAP), hashk)
 
 
-_IMMUTABLE = (_TUPLE, _FROZENSET)
 # A tuple's or frozenset's hashk from the bit set of its items' (1 << hashk): chosen if any item is chosen or
 # all are known (their hashes combine into any value the stream wants), secret if a secret one is in it and no
 # chosen one, known if empty.
 _HASHK = tuple(
     _CHOSEN if bits & (1 << _CHOSEN) or bits == 1 << _KNOWN else _KNOWN if not bits else _SECRET for bits in range(8)
+)
+# A frozenset's hash XORs its members' (shuffled) hashes, so a secret member common to many sets cancels out:
+# chosen if any member is known or chosen.
+_FROZEN_HASHK = tuple(
+    _CHOSEN if bits & ((1 << _CHOSEN) | (1 << _KNOWN)) else _KNOWN if not bits else _SECRET for bits in range(8)
 )
 
 
