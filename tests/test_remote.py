@@ -7,6 +7,7 @@ s3fs); and fsspec's memory and local filesystems.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import os
@@ -262,7 +263,8 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     options = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}"}, "skip_instance_cache": True}
     import s3fs
 
-    s3fs.S3FileSystem(**options).mkdir("models")
+    with contextlib.suppress(FileExistsError):  # moto's backend is one per process: made by an earlier test
+        s3fs.S3FileSystem(**options).mkdir("models")
     yield options
     moto.stop()
 
@@ -281,6 +283,42 @@ def test_dump_to_s3_and_load_back(s3: dict[str, Any], remote_dir: Path, monkeypa
     assert downloads == [url, url]
     with pytest.raises(FileNotFoundError):
         zp.load("s3://models/missing.zcp", storage_options=s3)
+
+
+def test_an_s3_endpoint_that_ignores_range_is_cut_off_after_the_window(
+    s3: dict[str, Any], small_windows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An endpoint that answers every ranged GET with the whole object: the client takes the window and the
+    slack from the body (counted through a wrapper around the body's ``read``) and refuses; s3fs's own
+    ``cat_file`` would have read the whole body."""
+    import s3fs
+
+    url = "s3://models/ignores-range.zcp"
+    zp.dump(state(0, n=400_000), url, storage_options=s3)  # 1.6 MB: 25 windows
+    real = s3fs.S3FileSystem._call_s3
+    taken: list[int] = []
+
+    async def ignoring_range(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("Range", None)
+        response = await real(self, method, *args, **kwargs)
+        if method == "get_object":
+            body, read = response["Body"], response["Body"].read
+
+            async def counting(n: int = -1) -> bytes:
+                data: bytes = await read(n)
+                taken.append(len(data))
+                return data
+
+            body.read = counting
+        return response
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", ignoring_range)
+    with pytest.raises(zp.SnapshotError, match="the endpoint sent more"):
+        zp.load(url, storage_options=s3)
+    assert small_windows < sum(taken) <= small_windows + remote.SLACK, taken
+    fs, path = remote._filesystem(url, s3)
+    with pytest.raises(zp.SnapshotError, match="ignores Range"):  # past the start: refused before the body
+        remote._reader(fs, path, url)(small_windows, 2 * small_windows)
 
 
 def test_memory_and_local_urls() -> None:
@@ -372,6 +410,28 @@ def test_a_symlink_planted_at_a_file_name_is_never_followed(
         with pytest.raises(remote.UnsafeDirectoryError, match=f"{re.escape(file_name(url, suffix))}.*rm "):
             zp.load(url)
     assert target.read_bytes() == b"do not touch"
+
+
+def test_a_load_maps_the_file_that_was_verified_whatever_its_name_points_to_later(
+    monkeypatch: pytest.MonkeyPatch, remote_dir: Path, tmp_path: Path
+) -> None:
+    # The download directory's parents are not checked: someone who controls one can swap the directory between
+    # the fetch and the open. A load maps the fd opened under the lock, never the path again.
+    url = f"memory://bucket/{hashlib.sha256(os.urandom(8)).hexdigest()}.zcp"
+    zp.dump(state(0), url)
+    planted = tmp_path / "planted"
+    planted.mkdir(mode=0o700)
+    fetch = remote._fetch
+
+    def fetch_then_swap(*args: Any) -> tuple[int, Path]:
+        fd, local = fetch(*args)
+        zp.dump(state(1), planted / local.name)
+        remote_dir.rename(tmp_path / "moved-away")
+        remote_dir.symlink_to(planted)
+        return fd, local
+
+    monkeypatch.setattr(remote, "_fetch", fetch_then_swap)
+    assert equal(zp.load(url), state(0))
 
 
 def test_a_fifo_planted_at_a_file_name_does_not_block(server: Server, remote_dir: Path) -> None:

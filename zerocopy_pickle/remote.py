@@ -19,9 +19,12 @@ protocol fsspec knows but ``file``) calls :func:`fetch`, which returns a local f
   every file in it is created or opened relative to that fd with ``O_NOFOLLOW`` and used only if it is a regular
   file of this user: nobody else can plant what a load maps (an :class:`UnsafeDirectoryError` says what is wrong
   and how to fix it);
-* over HTTP, each window is read as a stream and the read stops at the window's size: a server that ignores
-  ``Range`` (answering with the whole object) or sends more than was asked is refused after at most
-  :data:`WINDOW` + :data:`SLACK` bytes, never buffered whole.
+* over HTTP and S3, each window is read as a stream and the read stops at the window's size: a server that
+  ignores ``Range`` (answering with the whole object) or sends more than was asked is refused after at most
+  :data:`WINDOW` + :data:`SLACK` bytes, never buffered whole (other protocols' clients read a window's body
+  whole, then it is checked);
+* a load maps the verified file through the fd opened under the URL's lock (:func:`open_fetched`), never by its
+  name again.
 
 :func:`upload` is :func:`zerocopy_pickle.dump` to a URL: the snapshot is written to a local temporary file, then
 put with ``fs.put_file`` (object stores replace an object whole; readers never see half of it).
@@ -33,6 +36,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import os
@@ -53,6 +57,7 @@ __all__ = [
     "UnsafeDirectoryError",
     "fetch",
     "is_url",
+    "open_fetched",
     "private_directory",
     "remote_dir",
     "upload",
@@ -265,6 +270,9 @@ def _size_of_file(directory: int, name: str) -> int | None:
 def fetch(url: str, storage_options: Mapping[str, Any] | None = None) -> Path:
     """The local, verified copy of the snapshot at ``url``, downloaded if it is not cached or changed.
 
+    The path is for reading and showing; a load maps the file :func:`open_fetched` opened, not whatever the path
+    names later (a parent directory of :func:`remote_dir` is not checked).
+
     Raises:
         FileNotFoundError: nothing at ``url``.
         SnapshotError: the download is not a well-formed snapshot of the size the server declared (truncated,
@@ -276,6 +284,26 @@ def fetch(url: str, storage_options: Mapping[str, Any] | None = None) -> Path:
         ArgumentError: fsspec (or the protocol's package) is not installed, or the URL is malformed.
         OSError: the download failed (it resumes from where it stopped next time).
     """
+    fd, local = _fetch(url, storage_options)
+    os.close(fd)
+    return local
+
+
+def open_fetched(url: str, storage_options: Mapping[str, Any] | None = None) -> io.FileIO:
+    """:func:`fetch`, returning the verified local copy as an open, unbuffered file (the caller closes it).
+
+    The file is opened relative to the checked download directory's fd, with ``O_NOFOLLOW``, and checked to be a
+    regular file of this user that only this user may write, all while the URL's lock is held: what a load maps
+    is the file that was verified, even if a directory above :func:`remote_dir` is someone else's and its names
+    change later. Raises as :func:`fetch` does.
+    """
+    fd, _ = _fetch(url, storage_options)
+    return io.FileIO(fd, "rb", closefd=True)
+
+
+def _fetch(url: str, storage_options: Mapping[str, Any] | None) -> tuple[int, Path]:
+    """An fd of the verified local copy of ``url`` (opened under the lock, see :func:`open_fetched`), and its
+    path."""
     fs, path = _filesystem(url, storage_options)
     identity = _identity(fs, path, url)
     where = remote_dir()
@@ -287,7 +315,7 @@ def fetch(url: str, storage_options: Mapping[str, Any] | None = None) -> Path:
         with _locked(directory, f"{name}.lock", where):
             if _read_json(directory, meta, where) == identity and _size_of_file(directory, final) == identity["size"]:
                 log.info("fetch %s: unchanged, using the local copy %s", url, where / final)
-                return where / final
+                return _open(directory, final, os.O_RDONLY, where), where / final
             if _read_json(directory, part_meta, where) != identity or not identity["version"]:
                 _unlink(directory, part)  # another object (or one that cannot say whether it changed): start over
                 _write_json(directory, part_meta, identity, where)
@@ -303,7 +331,7 @@ def fetch(url: str, storage_options: Mapping[str, Any] | None = None) -> Path:
             os.replace(part, final, src_dir_fd=directory, dst_dir_fd=directory)
             _write_json(directory, meta, identity, where)
             _unlink(directory, part_meta)
-            return where / final
+            return _open(directory, final, os.O_RDONLY, where), where / final
     finally:
         os.close(directory)
 
@@ -313,15 +341,69 @@ Reader = Callable[[int, int], bytes | bytearray]
 
 
 def _reader(fs: Any, path: str, url: str) -> Reader:
-    """How to read a window of the object: over HTTP a streamed ranged GET that stops at the window's size
-    (:func:`_http_window`); elsewhere ``fs.cat_file`` (object stores' clients ask for exactly the range)."""
-    if type(fs).__name__ == "HTTPFileSystem" and all(
-        hasattr(fs, name) for name in ("set_session", "encode_url", "kwargs", "loop")
-    ):
+    """How to read a window of the object: over HTTP (:func:`_http_window`) and S3 (:func:`_s3_window`) a
+    streamed ranged GET that stops at the window's size; elsewhere ``fs.cat_file`` (local and in-memory
+    filesystems, and protocols whose clients this module does not know: their body is read whole, then
+    checked)."""
+    kind = type(fs).__name__
+    if kind == "HTTPFileSystem" and all(hasattr(fs, name) for name in ("set_session", "encode_url", "kwargs", "loop")):
         from fsspec.asyn import sync
 
         return lambda start, stop: sync(fs.loop, _http_window, fs, path, url, start, stop)
+    if kind == "S3FileSystem" and all(hasattr(fs, name) for name in ("_call_s3", "split_path", "loop")):
+        from fsspec.asyn import sync
+
+        return lambda start, stop: sync(fs.loop, _s3_window, fs, path, url, start, stop)
     return lambda start, stop: fs.cat_file(path, start=start, end=stop)
+
+
+async def _take(read: Callable[[int], Any], want: int, too_much: Callable[[int], Exception]) -> bytearray:
+    """At most ``want`` bytes from an async ``read(n)`` (the body of a response), read as they arrive; one
+    :data:`SLACK`-sized piece more is taken to see whether the answer goes on, and then ``too_much(received)``
+    is raised: the rest of the body is never read."""
+    received = bytearray()
+    while True:
+        piece = await read(min(SLACK, want + 1 - len(received)))
+        if not piece:
+            return received
+        received += piece
+        if len(received) > want:
+            raise too_much(len(received))
+
+
+async def _s3_window(fs: Any, path: str, url: str, start: int, stop: int) -> bytearray:
+    """Bytes ``[start, stop)`` of an S3 object (s3fs), streamed: at most ``stop - start`` + :data:`SLACK` bytes
+    are taken from the body, whatever the endpoint sends (s3fs's own ``cat_file`` reads a body whole).
+
+    Raises:
+        SnapshotError: the endpoint ignored the range or sent more than was asked.
+    """
+    bucket, key, version = fs.split_path(path)
+    response = await fs._call_s3(
+        "get_object",
+        Bucket=bucket,
+        Key=key,
+        Range=f"bytes={start}-{stop - 1}",
+        **({"VersionId": version} if version else {}),
+    )
+    body = response["Body"]
+    try:
+        content_range = response.get("ContentRange")
+        if not (isinstance(content_range, str) and content_range.startswith(f"bytes {start}-")) and start > 0:
+            raise SnapshotError(
+                f"{url}: asked for bytes {start}-{stop}, the endpoint answered {str(content_range)[:80]!r}: it "
+                f"ignores Range, which a download needs"
+            )
+        return await _take(
+            body.read,
+            stop - start,
+            lambda got: SnapshotError(
+                f"{url}: asked for bytes {start}-{stop} ({stop - start} bytes), the endpoint sent more: refused "
+                f"after {got} bytes; serve it from an endpoint that answers ranges exactly"
+            ),
+        )
+    finally:
+        body.close()  # hang up: the rest of an over-long answer is never read
 
 
 async def _http_window(fs: Any, path: str, url: str, start: int, stop: int) -> bytearray:
@@ -352,19 +434,19 @@ async def _http_window(fs: Any, path: str, url: str, start: int, stop: int) -> b
         if response.status == 206 and content_range is not None and not content_range.startswith(f"bytes {start}-"):
             response.close()
             raise SnapshotError(f"{url}: asked for bytes {start}-{stop}, the server sent {content_range[:80]!r}")
-        received = bytearray()
-        while True:
-            piece = await response.content.read(min(SLACK, want + 1 - len(received)))
-            if not piece:
-                return received
-            received += piece
-            if len(received) > want:
-                response.close()
-                raise SnapshotError(
+        try:
+            return await _take(
+                response.content.read,
+                want,
+                lambda got: SnapshotError(
                     f"{url}: asked for bytes {start}-{stop} ({want} bytes), the server sent more"
-                    f"{' (it ignores Range)' if response.status != 206 else ''}: refused after {len(received)} "
-                    f"bytes; serve it from a server that answers ranges exactly"
-                )
+                    f"{' (it ignores Range)' if response.status != 206 else ''}: refused after {got} bytes; serve "
+                    f"it from a server that answers ranges exactly"
+                ),
+            )
+        except SnapshotError:
+            response.close()
+            raise
 
 
 def _download(read: Reader, directory: int, part: str, size: int, url: str, where: Path) -> None:

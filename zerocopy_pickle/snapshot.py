@@ -630,11 +630,15 @@ def load(
         True
     """
     mode = _prefetch_mode(prefetch)
+    source = _name(f)
     if remote.is_url(f):
-        f = remote.fetch(str(f), storage_options)
-    elif isinstance(f, str) and f.startswith("file://"):
-        f = f.removeprefix("file://")
-    opened = sources.open_source(f, sources.LOAD, what="load", copy=copy, keep_file=True)
+        # the verified download, opened by fd under its lock: what is mapped is what was checked
+        with remote.open_fetched(str(f), storage_options) as fetched:
+            opened = sources.open_source(fetched, sources.LOAD, what="load", copy=copy, keep_file=True)
+    else:
+        if isinstance(f, str) and f.startswith("file://"):
+            f = source = f.removeprefix("file://")
+        opened = sources.open_source(f, sources.LOAD, what="load", copy=copy, keep_file=True)
     return _load_opened(
         opened,
         mode,
@@ -644,7 +648,7 @@ def load(
         verify=verify,
         key=key,
         registry=registry,
-        source=_name(f),
+        source=source,
         level=logging.INFO,
     )
 
