@@ -460,9 +460,9 @@ class AllowList:
             opcodes = ", ".join(sorted(_OPCODE_NAMES[op] for op in ops))
             raise _use_error(
                 pair,
-                f"applies {opcodes} to what",
-                "creates; a restricted load fills only objects that a safe constructor or an allowed class with "
-                "an ordinary __new__ created in this load",
+                f"applies {opcodes} to an object made by",
+                "which a restricted load does not fill: it fills only objects that a safe constructor or an allowed "
+                "class with an ordinary __new__ created in this load",
             )
         return resolved
 
