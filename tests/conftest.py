@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -203,3 +204,24 @@ def example_plugins(tmp_path: Path) -> Iterator[InstalledPlugins]:
         for module in EXAMPLE_MODULES:
             sys.modules.pop(module, None)
         registry.rediscover()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Make "cuda:N" a fake bulk-transfer device (tests/test_transfer.py's ``FakeBackend``, which records every
+    call); returns the backends made, one per transfer."""
+    from zerocopy_pickle import device as devices
+    from zerocopy_pickle import transfer
+
+    from .test_transfer import FakeBackend
+
+    made: list[Any] = []
+
+    def factory(device: torch.device) -> Any:
+        made.append(FakeBackend())
+        return made[-1]
+
+    monkeypatch.setitem(transfer._BACKENDS, "cuda", factory)
+    real = devices._require
+    monkeypatch.setattr(devices, "_require", lambda d, hint: None if d.type == "cuda" else real(d, hint))
+    return made

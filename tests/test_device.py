@@ -161,21 +161,6 @@ def storages_of_one_buffer(k: int, stream_location: str) -> bytes:
 PAYLOAD = bytes(range(256)) * 16
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """ "cuda:N" as the transfer tests' fake bulk-transfer device (tests/test_transfer.py)."""
-    from zerocopy_pickle import device as devices
-    from zerocopy_pickle import transfer
-
-    from .test_transfer import FakeBackend
-
-    made: list[Any] = []
-    monkeypatch.setitem(transfer._BACKENDS, "cuda", lambda d: made.append(FakeBackend()) or made[-1])
-    real = devices._require
-    monkeypatch.setattr(devices, "_require", lambda d, hint: None if d.type == "cuda" else real(d, hint))
-    return made
-
-
 @pytest.mark.parametrize("trusted", [False, True])
 def test_k_references_to_one_buffer_make_one_device_copy(fake_cuda: list[Any], trusted: bool) -> None:
     k = 50

@@ -412,21 +412,6 @@ def test_a_failed_allocation_is_a_device_error() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[FakeBackend]:
-    """Make "cuda:N" a fake bulk-transfer device here; returns the backends made, one per transfer."""
-    made: list[FakeBackend] = []
-
-    def factory(device: torch.device) -> FakeBackend:
-        made.append(FakeBackend())
-        return made[-1]
-
-    monkeypatch.setitem(transfer._BACKENDS, "cuda", factory)
-    real = devices._require
-    monkeypatch.setattr(devices, "_require", lambda d, hint: None if d.type == "cuda" else real(d, hint))
-    return made
-
-
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -372,17 +372,6 @@ def test_a_source_must_give_one_offset_per_storage() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[FakeBackend]:
-    from zerocopy_pickle import device as devices
-
-    made: list[FakeBackend] = []
-    monkeypatch.setitem(transfer._BACKENDS, "cuda", lambda d: made.append(FakeBackend()) or made[-1])
-    real = devices._require
-    monkeypatch.setattr(devices, "_require", lambda d, hint: None if d.type == "cuda" else real(d, hint))
-    return made
-
-
 def test_load_stream_reads_a_cold_snapshot_file_for_the_device(disk: Path, fake_cuda: list[FakeBackend]) -> None:
     state = {"big": torch.randn(300, 257), "small": torch.arange(7.0), "cpu": torch.ones(3), "array": None}
     state["array"] = state["small"].numpy().copy()  # a buffer that is not a tensor's: it stays on the CPU
