@@ -482,3 +482,28 @@ def test_a_filing_childs_records_go_to_fill_log(tmp_path: Path) -> None:
     )
     text = (directory / "fill.log").read_text()
     assert "ERROR zerocopy_pickle.cache.client: filing X failed: boom" in text
+
+
+def test_cache_status_prints_what_clients_sent_escaped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Entry calls and keys come from the cache's clients: a model path with terminal control sequences must not
+    reach the terminal as they are (text), and ``--json`` stays ASCII."""
+    from zerocopy_pickle import cache
+    from zerocopy_pickle.cache import cli
+
+    hostile = "m.from_pretrained('/tmp/\x1b]0;owned\x07\x1b[2J\u202ex')"
+    info = {
+        "pid": 1, "loader_pid": None, "max_bytes": 0, "total_bytes": 0, "file_bytes": 0, "files": [],
+        "segments": 0, "logical_bytes": 0, "hits": 0, "misses": 0, "evictions": 0, "stale": 0,
+        "persist": "/tmp/\x1b[31mred",
+        "entries": [{"key": "\x1b[1m" + "a" * 40, "nbytes": 10, "hits": 1, "call": hostile}],
+    }  # fmt: skip
+    monkeypatch.setattr(cache, "status", lambda: info)
+    assert cli.main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+    assert "\\x1b]0;owned\\x07" in out and "\\u202e" in out and "\\x1b[31mred" in out
+    assert cli.main(["status", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.isascii() and "\x1b" not in out and json.loads(out)["entries"][0]["call"] == hostile

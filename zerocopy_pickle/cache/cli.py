@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..console import printable
 from ..errors import ZeroCopyPickleError
 
 __all__ = [
@@ -112,10 +113,13 @@ def _status(args: argparse.Namespace) -> int:
         f"{human(info['file_bytes'])} in {len(info['files'])} checkpoint files, {info['segments']} segments "
         f"({human(info['logical_bytes'])} before sharing), budget {budget}\n"
         f"  hits {info['hits']}, misses {info['misses']}, evictions {info['evictions']}, stale {info['stale']}"
-        + (f"\n  persisted in {info['persist']}" if info["persist"] else "")
+        + (f"\n  persisted in {printable(str(info['persist']))}" if info["persist"] else "")
     )
-    for entry in info["entries"]:
-        print(f"  {entry['key'][:12]}  {human(entry['nbytes']):>10}  hits {entry['hits']:>5}  {entry['call']}")
+    for entry in info["entries"]:  # keys and calls come from the cache's clients: escaped, like file strings
+        print(
+            f"  {printable(str(entry['key'])[:12])}  {human(entry['nbytes']):>10}  hits {entry['hits']:>5}  "
+            f"{printable(str(entry['call']))}"
+        )
     return 0
 
 
@@ -205,8 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"zerocopy-pickle {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except NoServer as e:
-        print(f"zerocopy-pickle {args.command}: error: {e}", file=sys.stderr)
+        print(f"zerocopy-pickle {args.command}: error: {printable(str(e))}", file=sys.stderr)
         return EXIT_NO_SERVER
     except (ZeroCopyPickleError, OSError) as e:
-        print(f"zerocopy-pickle {args.command}: error: {e}", file=sys.stderr)
+        print(f"zerocopy-pickle {args.command}: error: {printable(str(e))}", file=sys.stderr)
         return EXIT_ERROR
