@@ -110,6 +110,10 @@ class RestrictedLoadError(ZeroCopyPickleError, pickle.UnpicklingError):
         needed: every pair the stream references that this call does not allow but could (see
             :func:`zerocopy_pickle.scan`), when it could be determined.
         blocked: every pair the stream references that is on the blocklist: no ``allow=`` permits those.
+        allow: the whole ``allow=`` list that admits the stream (this call's entries and the ones it lacks: names
+            as ``"module:qualname"`` strings, :func:`~zerocopy_pickle.allow_function` entries for what the stream
+            calls), ready to pass; None when no ``allow=`` can (see ``trusted_only``) or it was not worked out.
+        trusted_only: why only ``trusted=True`` loads the stream (empty when an ``allow=`` can).
     """
 
     def __init__(
@@ -119,11 +123,15 @@ class RestrictedLoadError(ZeroCopyPickleError, pickle.UnpicklingError):
         refused: tuple[str, str],
         needed: tuple[tuple[str, str], ...] = (),
         blocked: tuple[tuple[str, str], ...] = (),
+        allow: tuple[object, ...] | None = None,
+        trusted_only: tuple[str, ...] = (),
     ) -> None:
         super().__init__(message)
         self.refused = refused
         self.needed = needed
         self.blocked = blocked
+        self.allow = allow
+        self.trusted_only = trusted_only
 
 
 class DeviceError(ZeroCopyPickleError, RuntimeError):

@@ -38,7 +38,7 @@ import threading
 import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,6 +58,7 @@ __all__ = [
     "refusal_message",
     "safe_globals",
     "scan_stream",
+    "spell_allow",
     "stream_uses",
 ]
 
@@ -430,26 +431,37 @@ class AllowList:
                 resolved[pair] = self._lookup(pair)[0]
             except RestrictedLoadError as e:
                 refused = refused or e
+        if refused is None:
+            refused = self._use_refusal(uses)
         if refused is not None:
-            raise refusal_message(refused, self, uses.globals)
-        for pair in uses.called:
+            raise refusal_message(refused, self, uses.globals, uses)
+        return resolved
+
+    def _use_refusal(
+        self, uses: StreamUses, skip: frozenset[tuple[str, str]] = frozenset()
+    ) -> RestrictedLoadError | None:
+        """The first use of a resolved global that this list does not permit (every global of ``uses`` but
+        ``skip`` must have been looked up), or None."""
+        for pair in uses.called - skip:
             obj, use = self._resolved[pair]
             if use == _SAFE:
                 if not self._safe[pair].callable:
-                    raise _use_error(pair, "calls", "a value of the safe set, which no load calls")
+                    return _use_error(pair, "calls", "a value of the safe set, which no load calls")
             elif use == _VALUE:
                 what = "function" if callable(obj) else type(obj).__name__
-                raise _use_error(
+                return _use_error(
                     pair,
                     "calls",
                     f"a {what} that allow= admits as a value only; a load calls a function only if allow= names "
                     f"it with zerocopy_pickle.allow_function(...), with arguments the stream chooses",
                 )
-        for pair in uses.instantiated:
+        for pair in uses.instantiated - skip:
             obj, use = self._resolved[pair]
             if use != _CLASS:
-                raise _use_error(pair, "instantiates (NEWOBJ)", "not a class that allow= names")
+                return _use_error(pair, "instantiates (NEWOBJ)", "not a class that allow= names")
         for pair, ops in uses.mutated.items():
+            if pair in skip:
+                continue
             obj, use = self._resolved[pair]
             if use == _SAFE:
                 extra_ops = ops - self._safe[pair].result_ops
@@ -458,13 +470,149 @@ class AllowList:
             elif use == _CLASS and _constructs_fresh(obj):  # type: ignore[arg-type]
                 continue
             opcodes = ", ".join(sorted(_OPCODE_NAMES[op] for op in ops))
-            raise _use_error(
+            return _use_error(
                 pair,
                 f"applies {opcodes} to an object made by",
                 "which a restricted load does not fill: it fills only objects that a safe constructor or an allowed "
                 "class with an ordinary __new__ created in this load",
             )
-        return resolved
+        return None
+
+    def advice(self, uses: StreamUses) -> Advice:
+        """What would make a restricted load of a stream that does ``uses`` pass: the whole ``allow=`` to give
+        (this list's own entries and the ones it lacks, each a class or value name or an :func:`allow_function`),
+        or the reasons no ``allow=`` can.
+
+        The advice follows the rules :meth:`admit` applies, and is then checked by them: a trial list built from
+        the suggested entries must admit every use of every global whose kind was known (a global of a module
+        not imported yet is never imported here: importing runs the module's code; such names are returned as
+        ``unknown``, suggested by how the stream uses them).
+        """
+        entries: dict[tuple[str, str], bool] = {pair: pair in self._functions for pair in self._allowed}
+        needed: list[tuple[str, str]] = []
+        unknown: list[tuple[str, str]] = []
+        blocked: list[tuple[str, str]] = []
+        reasons: list[str] = []
+        by_value = sorted({m for m, _ in uses.globals if m.split(".")[0] in ("cloudpickle", "dill")})
+        if by_value:
+            reasons.append(f"it holds code pickled by value ({', '.join(by_value)}), and loading it runs that code")
+        for pair in uses.globals:
+            name = repr(format_global(pair))
+            called, made = pair in uses.called, pair in uses.instantiated
+            ops = uses.mutated.get(pair, frozenset())
+            fills = ", ".join(sorted(_OPCODE_NAMES[op] for op in ops))
+            if pair[0].split(".")[0] in ("cloudpickle", "dill"):
+                continue
+            safe = self._safe.get(pair)
+            if safe is not None or pair == _STORAGE_PAIR:
+                if safe is not None and called and not safe.callable:
+                    reasons.append(f"it calls {name}, a value of the safe set")
+                if made:
+                    reasons.append(f"it instantiates {name} (NEWOBJ), which the safe set only calls")
+                if safe is not None and ops - safe.result_ops:
+                    reasons.append(f"it applies {fills} to what {name} returns")
+                continue
+            if is_blocked(pair):
+                blocked.append(pair)
+                continue
+            if pair in self._extra:  # a plugin's safe function: callable, its result never filled
+                if made or ops:
+                    reasons.append(f"it {'instantiates' if made else 'applies ' + fills + ' to what'} {name} "
+                                   f"{'' if made else 'returns '}(a plugin's safe function)")  # fmt: skip
+                continue
+            obj = self._allowed.get(pair)
+            kind = _kind_of(obj) if obj is not None else _classify(pair)
+            if kind == "blocked":
+                blocked.append(pair)
+            elif kind == "class":
+                cls = obj if obj is not None else _imported(pair)
+                if ops and not (isinstance(cls, type) and _constructs_fresh(cls)):
+                    reasons.append(
+                        f"it applies {fills} to what {name} makes, and that class has its own __new__ (or "
+                        f"metaclass __call__), so the object may not be one this load created"
+                    )
+                else:
+                    entries.setdefault(pair, False)
+            elif kind in ("function", "value"):
+                if made:
+                    reasons.append(f"it instantiates {name} (NEWOBJ), which is not a class")
+                elif ops:
+                    reasons.append(f"it applies {fills} to what {name} returns, and a restricted load fills only "
+                                   f"objects it created")  # fmt: skip
+                elif called and kind == "value":
+                    reasons.append(f"it calls {name}, which is not callable")
+                else:
+                    entries[pair] = entries.get(pair, False) or called
+            else:  # not imported: allow_function admits a class as a class, and a function to be called
+                unknown.append(pair)
+                entries[pair] = entries.get(pair, False) or (called and not made and not ops)
+            if pair in entries and (pair not in self._allowed or entries[pair] != (pair in self._functions)):
+                needed.append(pair)  # missing, or admitted as a value and called
+        reasons += [f"{format_global(g)!r} is on the blocklist (it can run code, touch files or the network, or "
+                    f"unpickle another stream): no allow= can permit it" for g in blocked]  # fmt: skip
+        allow = tuple(allow_function(":".join(pair)) if call else ":".join(pair) for pair, call in entries.items())
+        if not reasons:
+            trial = AllowList(
+                allow, self._extra, storage_builder=self._storage_builder, resolve_extra=self._resolve_extra
+            )
+            skip = frozenset(unknown)
+            try:
+                for pair in uses.globals:
+                    if pair not in skip:
+                        trial._lookup(pair)
+                refused = trial._use_refusal(uses, skip)
+            except (RestrictedLoadError, MissingGlobalError) as e:
+                refused = e  # type: ignore[assignment]
+            if refused is not None:
+                reasons.append(f"even with those entries, {_unwrapped(str(refused))}")
+        return Advice(
+            allow=() if reasons else allow,
+            needed=tuple(needed),
+            unknown=tuple(unknown),
+            blocked=tuple(blocked),
+            trusted_only=tuple(dict.fromkeys(reasons)),
+        )
+
+
+class Advice(NamedTuple):
+    """What :meth:`AllowList.advice` found: ``allow`` (the entries to pass, empty when ``trusted_only``),
+    ``needed`` (the globals this call's list lacks), ``unknown`` (names whose module is not imported, whose kind
+    could not be checked), ``blocked``, and ``trusted_only`` (why no ``allow=`` can admit the stream)."""
+
+    allow: tuple[str | AllowFunction, ...]
+    needed: tuple[tuple[str, str], ...]
+    unknown: tuple[tuple[str, str], ...]
+    blocked: tuple[tuple[str, str], ...]
+    trusted_only: tuple[str, ...]
+
+
+def spell_allow(entries: Iterable[str | AllowFunction]) -> str:
+    """``allow=[...]`` as Python source a user can paste: ``allow=['m:C', zerocopy_pickle.allow_function('m:f')]``."""
+    spelled = [f"zerocopy_pickle.allow_function({e.target!r})" if isinstance(e, AllowFunction) else repr(e)
+               for e in entries]  # fmt: skip
+    return f"allow=[{', '.join(spelled)}]"
+
+
+def _unwrapped(message: str) -> str:
+    """A use refusal's reason, for a sentence of another message."""
+    message = message.removeprefix("refusing to load: ").removeprefix("refusing to load ")
+    return message.split(". Only trusted=True")[0]
+
+
+def _imported(pair: tuple[str, str]) -> object:
+    """The object an already imported module's attribute path names, or None (nothing is imported)."""
+    obj: Any = sys.modules.get(pair[0])
+    for part in pair[1].split("."):
+        obj = vars(obj).get(part) if obj is not None and hasattr(obj, "__dict__") else None
+    return obj
+
+
+def _kind_of(obj: object) -> str:
+    if isinstance(obj, type):
+        return "class"
+    if _is_blocked_object(obj):
+        return "blocked"
+    return "function" if callable(obj) else "value"
 
 
 _STORAGE_PAIR = ("zerocopy_pickle.rebuild", "rebuild_storage")
@@ -547,65 +695,55 @@ def _classify(pair: tuple[str, str]) -> str:
 
 
 def refusal_message(
-    error: RestrictedLoadError, allow_list: AllowList, stream_globals: Iterable[tuple[str, str]]
+    error: RestrictedLoadError,
+    allow_list: AllowList,
+    stream_globals: Iterable[tuple[str, str]],
+    uses: StreamUses | None = None,
 ) -> RestrictedLoadError:
-    """The error a refused load raises: what was refused, every global the stream needs that this call does
-    not allow, and every blocked one (which only a trusted load accepts). It suggests ``allow=`` only for classes
-    (and for names it cannot check without importing their module); never for a blocked global or a function."""
-    blocked = [g for g in stream_globals if is_blocked(g)]
-    classes: list[tuple[str, str]] = []
-    functions: list[tuple[str, str]] = []
-    unknown: list[tuple[str, str]] = []
-    for g in stream_globals:
-        if g in allow_list or g in blocked:
-            continue
-        kind = _classify(g)
-        if kind == "blocked":
-            blocked.append(g)
-        else:
-            {"class": classes, "unknown": unknown}.get(kind, functions).append(g)
+    """The error a refused load raises: what was refused, and the one thing that will work — the whole ``allow=``
+    to pass (copy-pasteable: class and value names, :func:`allow_function` for what the stream calls), or, at
+    once, that only ``trusted=True`` loads the stream and why (code pickled by value, a blocked global, a use
+    no allow-list permits). See :meth:`AllowList.advice`; without ``uses`` (``scan``), every global counts as
+    named only."""
+    if uses is None:
+        uses = StreamUses(tuple(dict.fromkeys(stream_globals)), frozenset(), frozenset(), {}, 0)
+    advice = allow_list.advice(uses)
     parts = [f"{error} (restricted load)."]
-    suggest = classes + unknown
-    if suggest:
-        names = ", ".join(repr(format_global(g)) for g in suggest)
+    if advice.trusted_only:
+        parts.append(
+            f"No allow= can admit this stream: {'; '.join(advice.trusted_only)}. Only trusted=True loads it: do "
+            f"that only if you made this snapshot or trust its source completely."
+        )
+    elif advice.needed:
+        names = ", ".join(repr(format_global(g)) for g in advice.needed)
+        functions = {e.target for e in advice.allow if isinstance(e, AllowFunction)}
+        calls = [g for g in advice.needed if ":".join(g) in functions]
         caveat = (
-            f" ({', '.join(repr(format_global(g)) for g in unknown)} could not be checked without importing "
-            f"their modules: make sure each is a class you trust)"
-            if unknown
+            f" ({', '.join(repr(format_global(g)) for g in advice.unknown)} could not be checked without importing "
+            f"their modules: make sure each is a class or function you trust)"
+            if advice.unknown
+            else ""
+        )
+        called = (
+            f"; the stream calls {', '.join(repr(format_global(g)) for g in calls)} with arguments it chooses, so "
+            f"allow_function admits only a function that checks them"
+            if calls
             else ""
         )
         parts.append(
-            f"This snapshot needs {len(suggest)} class(es) that this call does not allow: {names}. If you trust "
-            f"where it came from, pass allow=[{names}] to allow exactly those for this call{caveat}"
-            + ("." if blocked or functions else ", or trusted=True to unpickle without restrictions.")
+            f"This snapshot needs {len(advice.needed)} global(s) this call does not allow: {names}. If you trust "
+            f"where it came from, load it with {spell_allow(advice.allow)} (exactly those, for this call){caveat}"
+            f"{called}, or pass trusted=True to unpickle without restrictions."
         )
-    if functions:
-        names = ", ".join(repr(format_global(g)) for g in functions)
-        parts.append(
-            f"It names {len(functions)} function(s) or other object(s) outside the safe set: {names}. A restricted "
-            f"load admits them only as values (allow=[...]) and calls a function only through "
-            f"zerocopy_pickle.allow_function(...); a function called with arguments the stream chooses can run "
-            f"code, so load with trusted=True only if you trust the snapshot's source."
-        )
-    by_value = sorted({m for m, _ in (*suggest, *functions, *blocked) if m.split(".")[0] in ("cloudpickle", "dill")})
-    if by_value:
-        parts.append(
-            f"It holds functions or classes pickled by value ({', '.join(by_value)}): loading them runs their "
-            f"code, so only trusted=True loads it, and only if you trust where it came from."
-        )
-    if blocked:
-        names = ", ".join(repr(format_global(g)) for g in blocked)
-        parts.append(
-            f"It names {len(blocked)} blocked global(s) that no allow= can permit: {names}. Only trusted=True "
-            f"loads it: do that only if you made this snapshot or trust its source completely."
-        )
-    elif not suggest and not functions:
-        parts.append("Pass trusted=True to unpickle without restrictions.")
+    else:
+        parts.append("Pass trusted=True to unpickle without restrictions (only if you trust its source).")
     return RestrictedLoadError(
         " ".join(parts),
         refused=error.refused,
-        needed=tuple(suggest + functions),
-        blocked=tuple(dict.fromkeys(blocked)),
+        needed=advice.needed,
+        blocked=advice.blocked,
+        allow=advice.allow if not advice.trusted_only else None,
+        trusted_only=advice.trusted_only,
     )
 
 
@@ -630,6 +768,7 @@ def stream_uses(stream: bytes) -> StreamUses:
             f"{e} It holds functions or classes pickled by value ({', '.join(by_value)}): loading them runs their "
             f"code, so only trusted=True loads it, and only if you trust where it came from.",
             refused=e.refused,
+            trusted_only=(*e.trusted_only, f"it holds code pickled by value ({', '.join(by_value)})"),
         ) from None
 
 

@@ -163,6 +163,7 @@ def _refuse(pos: int, message: str) -> RestrictedLoadError:
         f"refusing to load: at byte {pos} of the pickle stream, {message}. A restricted load never allows this, "
         f"whatever allow= says; only trusted=True loads such a stream (do that only if you trust its source)",
         refused=("<stream>", f"byte {pos}"),
+        trusted_only=(f"at byte {pos}, {message}",),
     )
 
 
