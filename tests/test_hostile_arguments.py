@@ -127,7 +127,7 @@ class Reduce:
 def _quirk_safe_globals() -> list[tuple[str, Any, str]]:
     registry = default_registry()
     found = []
-    for plugin in ("bitsandbytes", "runtime-objects", "torchscript", "stable-fast", "dynamic-modules"):
+    for plugin in ("bitsandbytes", "runtime-objects", "torchscript", "stable-fast", "dynamic-modules", "parametrize"):
         info = registry.plugins().get(plugin)
         if info is None or info.state != "loaded":
             continue
