@@ -35,6 +35,7 @@ from .device import MapLocation, is_cpu, static_target
 from .errors import ArgumentError, DumpError, SnapshotError, Unpicklable, ZeroCopyPickleError
 from .locate import locate_failure
 from .pickler import ZeroCopyPickler, dill_pickler
+from .preparation import check_offloaded, dump_reductions, refuse_offloaded_modules
 from .registry import Registry, default_registry
 from .restricted import AllowSpec, scan_stream
 
@@ -121,12 +122,20 @@ def _importable(module: str) -> bool:
 
 
 def _make_pickler(
-    backend: str, file: IO[bytes], callback: Callable[[pickle.PickleBuffer], Any], registry: Registry | None = None
+    backend: str,
+    file: IO[bytes],
+    callback: Callable[[pickle.PickleBuffer], Any],
+    registry: Registry | None = None,
+    offloaded: str = "copy",
 ) -> Any:
     if backend == "dill":
-        return dill_pickler(file, buffer_callback=callback, registry=registry)
-    by_value = backend == "cloudpickle" or (backend == "auto" and _importable("cloudpickle"))
-    return ZeroCopyPickler(file, buffer_callback=callback, by_value=by_value, registry=registry)
+        pickler: Any = dill_pickler(file, buffer_callback=callback, registry=registry)
+    else:
+        by_value = backend == "cloudpickle" or (backend == "auto" and _importable("cloudpickle"))
+        pickler = ZeroCopyPickler(file, buffer_callback=callback, by_value=by_value, registry=registry)
+    # accelerate's offloaded weights, copied in or refused (the table is the one the pickler read at __init__).
+    pickler.dispatch_table.update(dump_reductions(offloaded))
+    return pickler
 
 
 class _Prepared:
@@ -143,9 +152,12 @@ class _Prepared:
         registry: Registry | None = None,
         *,
         for_file: bool = False,
+        offloaded: str = "copy",
     ) -> None:
         if backend not in BACKENDS:
             raise ArgumentError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {backend!r}")
+        if check_offloaded(offloaded) == "refuse":
+            refuse_offloaded_modules(obj)  # names the submodule (model.layers.3.mlp) before anything is pickled
         # auto: the C pickler (with cloudpickle's by-value reductions for functions and classes that need
         # them, object by object); if that fails, the whole graph again with dill.
         attempts = [backend] if backend != "auto" else ["auto", *(["dill"] if _importable("dill") else [])]
@@ -158,14 +170,14 @@ class _Prepared:
                 views.append(buffer.raw())
                 return False  # out of band
 
-            pickler = _make_pickler(attempt, stream, collect, registry)
+            pickler = _make_pickler(attempt, stream, collect, registry, offloaded)
             try:
                 pickler.dump(obj)
             except Unpicklable as e:  # a reducer refused for good: no other backend is worth a try
-                raise _dump_error(obj, attempt, e, registry) from e
+                raise _dump_error(obj, attempt, e, registry, offloaded) from e
             except Exception as e:
                 if not _refused_by_pickle(e):  # the graph's own code failed: the caller gets its exception
-                    _note_path(obj, attempt, e, registry)
+                    _note_path(obj, attempt, e, registry, offloaded)
                     raise
                 first_error = first_error or e
                 continue
@@ -175,7 +187,7 @@ class _Prepared:
             break
         else:
             assert first_error is not None
-            raise _dump_error(obj, backend, first_error, registry) from first_error
+            raise _dump_error(obj, backend, first_error, registry, offloaded) from first_error
         body = stream.getbuffer()
         stream_sum = integrity.checksum(body) if checksums or key is not None else None
         signer = None if key is None else functools.partial(integrity.sign, key, stream=body)
@@ -231,7 +243,9 @@ class _Prepared:
             arena.write_placed(fd, [(0, layout.prefix), (layout.stream_offset, self.body)], progress=report)
 
 
-def _note_path(obj: object, backend: str, error: BaseException, registry: Registry | None) -> None:
+def _note_path(
+    obj: object, backend: str, error: BaseException, registry: Registry | None, offloaded: str = "copy"
+) -> None:
     """Add where in the graph ``error`` was raised to its notes (Python 3.11+), when it can be found."""
     add_note = getattr(error, "add_note", None)
     if add_note is None or isinstance(error, MemoryError):  # no second pass over the graph without memory
@@ -239,7 +253,7 @@ def _note_path(obj: object, backend: str, error: BaseException, registry: Regist
 
     def try_dump(candidate: object) -> BaseException | None:
         try:
-            _make_pickler(backend, io.BytesIO(), lambda buffer: False, registry).dump(candidate)
+            _make_pickler(backend, io.BytesIO(), lambda buffer: False, registry, offloaded).dump(candidate)
         except Exception as e:
             return e
         return None
@@ -265,7 +279,9 @@ def _reducer_as_pickler(registry: Registry | None) -> Callable[[Any], Any]:
     return reduce
 
 
-def _dump_error(obj: object, backend: str, error: BaseException, registry: Registry | None = None) -> DumpError:
+def _dump_error(
+    obj: object, backend: str, error: BaseException, registry: Registry | None = None, offloaded: str = "copy"
+) -> DumpError:
     """A DumpError that names the object that cannot be pickled, its path in the graph, and what to do."""
     if isinstance(error, RecursionError):
         return DumpError(
@@ -276,7 +292,7 @@ def _dump_error(obj: object, backend: str, error: BaseException, registry: Regis
 
     def try_dump(candidate: object) -> BaseException | None:
         try:
-            _make_pickler(pickler_backend, io.BytesIO(), lambda buffer: False, registry).dump(candidate)
+            _make_pickler(pickler_backend, io.BytesIO(), lambda buffer: False, registry, offloaded).dump(candidate)
         except _PICKLE_ERRORS as e:
             return e
         return None
@@ -314,6 +330,7 @@ def dump(
     fsync: bool = False,
     registry: Registry | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    offloaded: str = "copy",
 ) -> None:
     """Write ``obj`` as a snapshot to a path, a URL or a binary file object.
 
@@ -340,6 +357,10 @@ def dump(
         fsync: with a path, flush the file and its directory entry to stable storage before returning.
         registry: the reducers (and plugins) to apply; default: the process's, ``default_registry()``.
         storage_options: for a URL, the fsspec filesystem's options (credentials, ``endpoint_url``...).
+        offloaded: weights that accelerate offloaded to files (``disk_offload``, an ``offload_folder``, an
+            ``OffloadedWeightsLoader`` behind an ``AlignDevicesHook``): ``"copy"`` (default) reads them into the
+            snapshot, which then loads and runs without those files (the hooks stay, serving the weights from the
+            snapshot); ``"refuse"`` fails the dump instead, naming the submodule and the files.
 
     On a terminal, a dump of 256 MiB or more shows a progress bar on stderr (docs/usage.md, "Progress bars":
     ``ZEROCOPY_PICKLE_PROGRESS=0`` turns it off); never when stderr is not a terminal.
@@ -365,7 +386,7 @@ def dump(
         url = str(f)
 
         def write(path: Path) -> None:
-            prepared = _Prepared(obj, backend, checksums, key, registry, for_file=True)
+            prepared = _Prepared(obj, backend, checksums, key, registry, for_file=True, offloaded=offloaded)
             with arena.atomic_output(path) as fd:
                 prepared.write_file(fd, f"dump {url:.60}")
 
@@ -375,11 +396,11 @@ def dump(
         f = f.removeprefix("file://")
     start = time.perf_counter()
     if isinstance(f, (str, os.PathLike)):
-        prepared = _Prepared(obj, backend, checksums, key, registry, for_file=True)
+        prepared = _Prepared(obj, backend, checksums, key, registry, for_file=True, offloaded=offloaded)
         with arena.atomic_output(f, fsync=fsync) as fd:
             prepared.write_file(fd, f"dump {os.path.basename(os.fsdecode(f))}")
     elif hasattr(f, "write"):
-        prepared = _Prepared(obj, backend, checksums, key, registry)
+        prepared = _Prepared(obj, backend, checksums, key, registry, offloaded=offloaded)
         with progress.bar(prepared.layout.total_nbytes, "dump") as report:
             arena.write_pieces_to_file(f, prepared.pieces, progress=report)  # type: ignore[arg-type]
     else:
@@ -395,11 +416,12 @@ def dumps(
     checksums: bool = True,
     key: bytes | str | None = None,
     registry: Registry | None = None,
+    offloaded: str = "copy",
 ) -> bytes:
     """Return ``obj`` as a snapshot in one ``bytes`` object (the same bytes :func:`dump` writes).
 
     Args:
-        obj, backend, checksums, key, registry: as for :func:`dump`.
+        obj, backend, checksums, key, registry, offloaded: as for :func:`dump`.
 
     Raises:
         DumpError: part of the graph cannot be pickled (see :func:`dump`).
@@ -410,7 +432,7 @@ def dumps(
         >>> zp.loads(data)
         [tensor([0, 1, 2]), 'text']
     """
-    return b"".join(_Prepared(obj, backend, checksums, key, registry).pieces)
+    return b"".join(_Prepared(obj, backend, checksums, key, registry, offloaded=offloaded).pieces)
 
 
 def freeze(
@@ -421,6 +443,7 @@ def freeze(
     key: bytes | str | None = None,
     name: str = "zerocopy_pickle",
     registry: Registry | None = None,
+    offloaded: str = "copy",
 ) -> Snapshot:
     """Write ``obj`` as a snapshot into a sealed memfd.
 
@@ -430,7 +453,7 @@ def freeze(
 
     Args:
         obj: the object graph.
-        backend, checksums, key, registry: as for :func:`dump`.
+        backend, checksums, key, registry, offloaded: as for :func:`dump`.
         name: the memfd's name, shown in ``/proc/<pid>/fd`` and ``/proc/<pid>/maps``.
 
     Returns:
@@ -449,7 +472,7 @@ def freeze(
         >>> snap.close()  # a and b stay valid
     """
     start = time.perf_counter()
-    prepared = _Prepared(obj, backend, checksums, key, registry)
+    prepared = _Prepared(obj, backend, checksums, key, registry, offloaded=offloaded)
     fd = arena.create_memfd(name)
     try:
         with progress.bar(prepared.layout.total_nbytes, f"freeze {name}") as report:
