@@ -61,7 +61,7 @@ import torch
 from torch.nn.utils import parametrizations as torch_parametrizations
 from torch.nn.utils import parametrize as torch_parametrize
 
-from zerocopy_pickle.plugin import Registrar, Unpicklable, validate
+from zerocopy_pickle.plugin import Registrar, Unpicklable, UnsafeArgumentError, validate
 
 fail = validate.fail
 
@@ -192,10 +192,21 @@ def reduce_builtin_parametrization(module: Any) -> Any:
         value is not None and type(value) is not torch.Tensor for value in buffers.values()
     ):
         return NotImplemented
-    fields = {key: state[key] for key in own if key in state}
+    if any(name in state for name in buffer_names):
+        return NotImplemented  # a plain attribute named like one of its buffers
+    fields = {key: state[key] for key in required | optional if key in state}
     if kind == "_Orthogonal":
-        fields["shape"] = tuple(fields["shape"])
+        if type(fields.get("orthogonal_map")) is not torch_parametrizations._OrthMaps:
+            return NotImplemented
+        fields["shape"] = tuple(fields["shape"]) if isinstance(fields.get("shape"), tuple) else fields.get("shape")
         fields["orthogonal_map"] = fields["orthogonal_map"].name
+    try:  # what the rebuild would refuse (a changed field) travels as an ordinary module instead
+        table = validate.expect_keys(fields, required | optional, "parametrize", "fields")
+        if required - set(table):
+            return NotImplemented
+        _check_builtin_fields(kind, table, dict(buffers), "parametrize")
+    except UnsafeArgumentError:
+        return NotImplemented
     return rebuild_builtin_parametrization, (kind, state["training"], fields, dict(buffers), extra)
 
 

@@ -415,6 +415,14 @@ def test_what_the_quirk_cannot_carry_is_refused_or_pickled_as_usual() -> None:
     assert ("torch.nn.utils.parametrize", "ParametrizationList") in refused.value.needed
     loaded = zp.loads(data, trusted=True)
     assert torch.equal(loaded.weight, listed.weight) and loaded.parametrizations.weight._forward_pre_hooks
+    # One of torch's parametrizations with a field its rebuild would refuse travels as an ordinary module too.
+    spectral = P.spectral_norm(nn.Linear(3, 3))
+    spectral.parametrizations.weight[0].n_power_iterations = quirk.MAX_POWER_ITERATIONS + 1
+    data = zp.dumps(spectral)
+    with pytest.raises(zp.RestrictedLoadError) as refused:
+        zp.loads(data, allow=[nn.Linear])
+    assert ("torch.nn.utils.parametrizations", "_SpectralNorm") in refused.value.needed
+    assert zp.loads(data, trusted=True).parametrizations.weight[0].n_power_iterations == quirk.MAX_POWER_ITERATIONS + 1
 
 
 # -- transformers Wav2Vec2 -------------------------------------------------------------------------------------------
