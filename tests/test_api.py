@@ -19,7 +19,7 @@ PUBLIC = {
     "dump", "load", "dumps", "loads", "freeze", "scan", "Snapshot", "ZeroCopyPickler", "ZeroCopyUnpickler",
     "ZeroCopyPickleError", "SnapshotError", "DumpError", "RestrictedLoadError", "DeviceError", "ArgumentError",
     "PluginError", "PluginWarning", "Reducer", "Registrar", "register_reducer", "unregister_reducer", "reducers",
-    "Registry", "default_registry",
+    "Registry", "default_registry", "TrustedOnlyWarning",
     "BACKENDS", "read_header", "IntegrityError", "Unpicklable", "MissingGlobalError",
     "UnsafeArgumentError", "allow_function", "to_device", "__version__", "prefetch", "prefetches", "Prefetch",
 }  # fmt: skip

@@ -10,6 +10,7 @@ suggestion is pasted (evaluated from the message's own text) and followed.
 from __future__ import annotations
 
 import collections
+import re
 import sys
 import types
 import warnings
@@ -189,3 +190,50 @@ def test_a_refusal_of_a_hostile_stream_never_suggests_what_runs_its_payload(
     except zp.ZeroCopyPickleError:
         pass  # a safe function refused its arguments, or the stream is malformed: not a dead-end refusal
     assert not sentinel.exists(), "a payload ran"
+
+
+# -- at dump time: a snapshot that only trusted=True will load says so, and where ----------------------------
+
+
+def test_a_dump_with_code_pickled_by_value_warns_with_its_path(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    model[0].register_forward_hook(lambda *args: None)
+    with pytest.warns(zp.TrustedOnlyWarning) as caught:
+        zp.dump(model, tmp_path / "m.zcp")
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert re.search(r"obj\[0\]\._forward_hooks\[\d+\] = function tests\.test_refusal_advice\..*<lambda>", message)
+    assert "trusted=True" in message and "module level" in message
+    assert caught[0].filename == __file__, "the warning points at the caller's dump"
+    with pytest.raises(zp.RestrictedLoadError) as refused:
+        zp.load(tmp_path / "m.zcp")
+    assert refused.value.trusted_only and refused.value.allow is None
+    assert isinstance(zp.load(tmp_path / "m.zcp", trusted=True), nn.Sequential)
+
+
+def test_many_objects_by_value_are_counted_and_the_first_named() -> None:
+    functions = {f"f{i}": (lambda i=i: i) for i in range(40)}
+    with pytest.warns(zp.TrustedOnlyWarning, match=r"holds 40 function\(s\).*obj\['f0'\] = function.*and 24 more"):
+        zp.dumps(functions)
+
+
+def test_restricted_loadable_dumps_and_freeze_do_not_warn() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", zp.TrustedOnlyWarning)
+        zp.dumps({"config": rm.Config(1), "model": rm.Block(), "activation": rm.scale})
+        hooked = nn.Linear(2, 2)
+        hooked.register_forward_hook(lambda *args: None)
+        zp.freeze(hooked).close()  # a frozen snapshot loads trusted: nothing to warn about
+
+
+def test_the_dill_backend_warns_only_when_its_stream_needs_trusted() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", zp.TrustedOnlyWarning)
+        plain = zp.dumps({"w": torch.ones(2)}, backend="dill")  # plain data: restricted-loadable
+    assert torch.equal(zp.loads(plain)["w"], torch.ones(2))
+    hooked = nn.Linear(2, 2)
+    hooked.register_forward_hook(lambda *args: None)
+    with pytest.warns(zp.TrustedOnlyWarning, match="dill backend"):
+        data = zp.dumps(hooked, backend="dill")
+    with pytest.raises(zp.RestrictedLoadError):
+        zp.loads(data)

@@ -19,6 +19,7 @@ __all__ = [
     "PluginError",
     "RestrictedLoadError",
     "SnapshotError",
+    "TrustedOnlyWarning",
     "Unpicklable",
     "UnsafeArgumentError",
     "ZeroCopyPickleError",
@@ -154,3 +155,11 @@ class PluginError(ZeroCopyPickleError, ImportError):
         super().__init__(message)
         self.plugin = plugin
         self.package = package
+
+
+class TrustedOnlyWarning(UserWarning):
+    """:func:`~zerocopy_pickle.dump` or :func:`~zerocopy_pickle.dumps` wrote a snapshot that only
+    ``trusted=True`` can load (code pickled by value: lambdas, local and ``__main__`` functions and classes; or
+    the dill backend). The message names where each such object sits in the graph and how to make the snapshot
+    restricted-loadable. Silence it with ``warnings.simplefilter("ignore", zp.TrustedOnlyWarning)`` where
+    trusted loads are intended."""

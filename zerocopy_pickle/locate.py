@@ -9,13 +9,14 @@ copied) and follows the first child that fails; the node whose children all pick
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import collections
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Failure", "locate_failure"]
+__all__ = ["Failure", "locate_failure", "paths_to"]
 
 _ATOMIC = (type(None), bool, int, float, complex, str, bytes, bytearray)
 _MODULE_CONTAINERS = ("_modules", "_parameters", "_buffers")
@@ -123,3 +124,31 @@ def locate_failure(
                 break
         else:
             return Failure(path, node, error)
+
+
+def paths_to(
+    root: Any,
+    targets: Iterable[object],
+    root_name: str = "obj",
+    reduce: Callable[[Any], Any] | None = None,
+    limit: int = 100_000,
+) -> dict[int, str]:
+    """Where each of ``targets`` sits in ``root``'s graph: ``{id(target): path}``, the shortest path found
+    breadth-first, for the targets reached within ``limit`` visited objects (a dump's report, not a walk that
+    could take as long as the dump itself on a huge graph)."""
+    wanted = {id(t) for t in targets}
+    found: dict[int, str] = {}
+    if id(root) in wanted:
+        found[id(root)] = root_name
+    queue: collections.deque[tuple[Any, str]] = collections.deque([(root, root_name)])
+    seen = {id(root)}
+    while queue and len(found) < len(wanted) and len(seen) < limit:
+        node, path = queue.popleft()
+        for suffix, child in _children(node, reduce or _default_reduce):
+            if isinstance(child, _ATOMIC) or id(child) in seen:
+                continue
+            seen.add(id(child))
+            if id(child) in wanted:
+                found[id(child)] = path + suffix
+            queue.append((child, path + suffix))
+    return found

@@ -105,6 +105,25 @@ class _DumpState:
     dtypes: dict[int, tuple[torch.UntypedStorage, str]] = field(default_factory=dict)
     # Plugins whose reducers were applied, by name: the header's plugin list.
     plugins: dict[str, PluginRef] = field(default_factory=dict)
+    # Functions and classes pickled by value (the first MAX_BY_VALUE_RECORDED), and how many there were: a
+    # restricted load refuses them, and zerocopy_pickle.dump says where they are.
+    by_value: list[object] = field(default_factory=list)
+    by_value_count: int = 0
+
+
+MAX_BY_VALUE_RECORDED = 16
+"""How many of the objects pickled by value a dump keeps to name them (it counts them all)."""
+
+
+def _recorded_by_value(state: _DumpState, reduce: Callable[[Any], Any], obj: Any) -> Any:
+    """cloudpickle's by-value reduction of a function or class (NotImplemented when it is importable by name),
+    recorded in ``state`` when it is one."""
+    reduced = reduce(obj)
+    if reduced is not NotImplemented and getattr(obj, "__module__", None) != "builtins":  # not CodeType & co.
+        state.by_value_count += 1
+        if len(state.by_value) < MAX_BY_VALUE_RECORDED:
+            state.by_value.append(obj)
+    return reduced
 
 
 def _reduce_untyped_storage(state: _DumpState, storage: torch.UntypedStorage) -> tuple[Any, ...]:
@@ -270,7 +289,9 @@ class _Reductions:
         named = cls is types.FunctionType or issubclass(cls, type)  # pickled by name (or by value)
         if named:
             # By reference when importable, else (with by_value) by value: lambdas, local and __main__ definitions.
-            by_value: Callable[[Any], Any] | None = self._by_value.reducer_override if self._by_value else None
+            by_value: Callable[[Any], Any] | None = None
+            if self._by_value is not None:
+                by_value = functools.partial(_recorded_by_value, self._state, self._by_value.reducer_override)
             if not self._claims:
                 return by_value
 
@@ -292,6 +313,12 @@ class _Reductions:
             return reduced
 
         return reduce
+
+    @property
+    def pickled_by_value(self) -> tuple[list[object], int]:
+        """The functions and classes this pickler pickled by value (the first
+        :data:`MAX_BY_VALUE_RECORDED`), and how many there were."""
+        return list(self._state.by_value), self._state.by_value_count
 
     @property
     def buffer_specs(self) -> list[BufferSpec]:

@@ -23,17 +23,17 @@ import os
 import pickle
 import platform
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, Union
 
 import torch
 
-from . import arena, format, integrity, loadcore, progress, readahead, remote, sources
+from . import arena, console, format, integrity, loadcore, locate, progress, readahead, remote, sources
 from ._version import __version__
 from .device import MapLocation, is_cpu, static_target
-from .errors import ArgumentError, DumpError, SnapshotError, Unpicklable, ZeroCopyPickleError
-from .locate import locate_failure
+from .errors import ArgumentError, DumpError, SnapshotError, TrustedOnlyWarning, Unpicklable, ZeroCopyPickleError
 from .pickler import ZeroCopyPickler, dill_pickler
 from .preparation import check_offloaded, dump_reductions, refuse_offloaded_modules
 from .registry import Registry, default_registry
@@ -141,7 +141,7 @@ def _make_pickler(
 class _Prepared:
     """A pickled object graph, laid out and ready to write: the pieces reference the storages' memory."""
 
-    __slots__ = ("_encode", "_pending", "backend", "body", "layout", "pieces", "views")
+    __slots__ = ("_encode", "_pending", "backend", "body", "by_value", "layout", "pieces", "views")
 
     def __init__(
         self,
@@ -184,6 +184,7 @@ class _Prepared:
             finally:
                 pickler.clear_memo()  # release what the memo holds now, not whenever a cycle is collected
             self.backend = attempt
+            self.by_value: tuple[list[object], int] | None = None if attempt == "dill" else pickler.pickled_by_value
             break
         else:
             assert first_error is not None
@@ -259,7 +260,7 @@ def _note_path(
         return None
 
     try:
-        failure = locate_failure(obj, try_dump, reduce=_reducer_as_pickler(registry))
+        failure = locate.locate_failure(obj, try_dump, reduce=_reducer_as_pickler(registry))
     except Exception:  # the search itself failed: the error stands without a path
         return
     if failure is not None:
@@ -297,7 +298,7 @@ def _dump_error(
             return e
         return None
 
-    failure = locate_failure(obj, try_dump, reduce=_reducer_as_pickler(registry))
+    failure = locate.locate_failure(obj, try_dump, reduce=_reducer_as_pickler(registry))
     if failure is None:  # pickles piecewise but not as a whole: report the whole
         return DumpError(f"cannot pickle {type(obj).__name__} (backend {backend!r}): {error}", path="obj")
     culprit = failure.obj
@@ -387,6 +388,7 @@ def dump(
 
         def write(path: Path) -> None:
             prepared = _Prepared(obj, backend, checksums, key, registry, for_file=True, offloaded=offloaded)
+            _warn_if_trusted_only(obj, prepared, registry)
             with arena.atomic_output(path) as fd:
                 prepared.write_file(fd, f"dump {url:.60}")
 
@@ -397,10 +399,12 @@ def dump(
     start = time.perf_counter()
     if isinstance(f, (str, os.PathLike)):
         prepared = _Prepared(obj, backend, checksums, key, registry, for_file=True, offloaded=offloaded)
+        _warn_if_trusted_only(obj, prepared, registry)
         with arena.atomic_output(f, fsync=fsync) as fd:
             prepared.write_file(fd, f"dump {os.path.basename(os.fsdecode(f))}")
     elif hasattr(f, "write"):
         prepared = _Prepared(obj, backend, checksums, key, registry, offloaded=offloaded)
+        _warn_if_trusted_only(obj, prepared, registry)
         with progress.bar(prepared.layout.total_nbytes, "dump") as report:
             arena.write_pieces_to_file(f, prepared.pieces, progress=report)  # type: ignore[arg-type]
     else:
@@ -432,7 +436,47 @@ def dumps(
         >>> zp.loads(data)
         [tensor([0, 1, 2]), 'text']
     """
-    return b"".join(_Prepared(obj, backend, checksums, key, registry, offloaded=offloaded).pieces)
+    prepared = _Prepared(obj, backend, checksums, key, registry, offloaded=offloaded)
+    _warn_if_trusted_only(obj, prepared, registry)
+    return b"".join(prepared.pieces)
+
+
+def _warn_if_trusted_only(obj: object, prepared: _Prepared, registry: Registry | None) -> None:
+    """Warn (:class:`TrustedOnlyWarning`, once per dump) when only a trusted load can load what was just
+    pickled, naming where each object pickled by value sits in the graph and what would make the snapshot
+    restricted-loadable. :func:`freeze` does not warn: its snapshots load trusted."""
+    if prepared.by_value is None:  # dill: what it pickled by value shows only in the stream
+        if any(module.partition(".")[0] == "dill" for module, _ in scan_stream(prepared.body)):
+            warnings.warn(
+                "this snapshot was pickled with the dill backend, and its stream calls dill's own functions (code "
+                "or objects pickled by value): only zerocopy_pickle.load(..., trusted=True) loads it; dump with the "
+                "default backend to find out which objects need it",
+                TrustedOnlyWarning,
+                stacklevel=3,
+            )
+        return
+    objects, count = prepared.by_value
+    if not count:
+        return
+    paths = locate.paths_to(obj, objects, reduce=_reducer_as_pickler(registry))
+    shown = "; ".join(
+        f"{console.printable(paths.get(id(o), 'somewhere in the graph'))} = {_describe_by_value(o)}" for o in objects
+    )
+    more = f" (and {count - len(objects)} more)" if count > len(objects) else ""
+    warnings.warn(
+        f"this snapshot holds {count} function(s) or class(es) pickled by value: {shown}{more}. A restricted load "
+        f"refuses them (loading them runs their code): only zerocopy_pickle.load(..., trusted=True) loads this "
+        f"snapshot. To make it restricted-loadable, define them at module level (importable by name) or remove "
+        f"them before dumping (hooks: the module's _forward_hooks / _forward_pre_hooks)",
+        TrustedOnlyWarning,
+        stacklevel=3,
+    )
+
+
+def _describe_by_value(obj: object) -> str:
+    kind = "class" if isinstance(obj, type) else "function"
+    name = f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
+    return f"{kind} {console.printable(name)[:120]}"
 
 
 def freeze(
