@@ -362,3 +362,21 @@ def test_random_graphs_round_trip(graph: Any) -> None:
     assert_same_graph(zp.loads(zp.dumps(graph)), graph)
     with zp.freeze(graph) as snap:
         assert_same_graph(snap.load(), graph)
+
+
+def test_assert_same_compares_enum_members_and_classes_and_stops_at_cycles() -> None:
+    import enum
+
+    from zerocopy_pickle.testing import assert_same
+
+    class Mode(enum.Enum):
+        A = 1
+        B = 2
+
+    ring: list[object] = [Mode.A, Mode]
+    ring.append(ring)  # a cycle: walked once
+    assert_same(ring, ring)
+    with pytest.raises(AssertionError, match=r"obj\[0\]"):
+        assert_same([Mode.A], [Mode.B])
+    with pytest.raises(AssertionError, match="class"):
+        assert_same([Mode], [int])

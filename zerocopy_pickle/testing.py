@@ -22,6 +22,7 @@ apply them to any function a restricted load may call.
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import os
@@ -54,25 +55,47 @@ __all__ = [
 
 
 def assert_same(expected: Any, actual: Any, where: str = "obj") -> None:
-    """Deep equality for object graphs of tensors, containers and objects with ``__dict__`` or ``__eq__``."""
+    """Deep equality for object graphs of tensors, containers and objects with ``__dict__`` or ``__eq__``.
+
+    Classes compare by module and qualified name, Enum members by class, name and value (their ``__dict__``
+    leads back to the class and to every other member), and an object met again (a cycle, a shared object) is
+    not walked twice."""
+    _assert_same(expected, actual, where, set())
+
+
+def _assert_same(expected: Any, actual: Any, where: str, seen: set[int]) -> None:
+    if id(expected) in seen:
+        return
     if isinstance(expected, torch.Tensor):
         assert isinstance(actual, torch.Tensor), f"{where}: {type(actual).__name__} is not a tensor"
         assert expected.dtype == actual.dtype and expected.shape == actual.shape, f"{where}: dtype or shape differ"
         # torch.Tensor.cpu, not the subclass's: some (bitsandbytes' parameters) quantize themselves in .cpu().
         assert torch.equal(torch.Tensor.cpu(expected), torch.Tensor.cpu(actual)), f"{where}: values differ"
-    elif isinstance(expected, dict) and where.endswith("hooks"):
+        return
+    if isinstance(expected, type):
+        assert isinstance(actual, type) and (expected.__module__, expected.__qualname__) == (
+            actual.__module__,
+            actual.__qualname__,
+        ), f"{where}: class {expected.__qualname__} is not {getattr(actual, '__qualname__', actual)!r}"
+        return
+    if isinstance(expected, enum.Enum):
+        assert type(actual).__qualname__ == type(expected).__qualname__, f"{where}: types differ"
+        assert (expected.name, expected.value) == (actual.name, actual.value), f"{where}: {expected} != {actual}"
+        return
+    seen.add(id(expected))
+    if isinstance(expected, dict) and where.endswith("hooks"):
         # Hook handles are numbered by a process-wide counter: compare the hooks, not their numbers.
         assert isinstance(actual, dict) and len(expected) == len(actual), f"{where}: hooks differ"
         for i, (a, b) in enumerate(zip(expected.values(), actual.values(), strict=True)):
-            assert_same(a, b, f"{where}[{i}]")
+            _assert_same(a, b, f"{where}[{i}]", seen)
     elif isinstance(expected, dict):
         assert isinstance(actual, dict) and expected.keys() == actual.keys(), f"{where}: keys differ"
         for key in expected:
-            assert_same(expected[key], actual[key], f"{where}[{key!r}]")
+            _assert_same(expected[key], actual[key], f"{where}[{key!r}]", seen)
     elif isinstance(expected, (list, tuple)):
         assert type(expected) is type(actual) and len(expected) == len(actual), f"{where}: sequences differ"
         for i, (a, b) in enumerate(zip(expected, actual, strict=True)):
-            assert_same(a, b, f"{where}[{i}]")
+            _assert_same(a, b, f"{where}[{i}]", seen)
     else:
         assert type(expected).__qualname__ == type(actual).__qualname__, f"{where}: types differ"
         equal: object = NotImplemented
@@ -86,7 +109,7 @@ def assert_same(expected: Any, actual: Any, where: str = "obj") -> None:
         elif hasattr(expected, "__dict__"):
             for name, value in vars(expected).items():
                 assert name in vars(actual), f"{where}.{name}: missing"
-                assert_same(value, vars(actual)[name], f"{where}.{name}")
+                _assert_same(value, vars(actual)[name], f"{where}.{name}", seen)
 
 
 # -- hostile arguments -------------------------------------------------------------------------------------------
@@ -541,7 +564,7 @@ class ReducerConformance:
         with torch.no_grad():  # parameters that require grad may only be written this way
             for tensor in _tensors(first):
                 if tensor.numel() and tensor.is_floating_point():
-                    tensor.view(-1)[0] = 12345.0
+                    tensor[(0,) * tensor.dim()] = 12345.0  # any strides (a view(-1) needs contiguous ones)
         self.assert_same(objects, second)  # the first load's writes are private to it
         self.assert_same(objects, snapshot.load(path, trusted=True))
 
