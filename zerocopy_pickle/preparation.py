@@ -20,8 +20,6 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import torch
-
 from .declarations import PluginInfo
 from .discovery import DISABLE_ENV
 from .errors import ArgumentError, DumpError, PluginError, Unpicklable
@@ -154,11 +152,13 @@ def _loader_of(hook: Any) -> tuple[Any, str]:
             if found[0] is not None:
                 return found
         return None, ""
-    weights = getattr(hook, "weights_map", None) if getattr(hook, "offload", False) else None
-    prefix = ""
-    while prefixed_cls is not None and type(weights) is prefixed_cls:
-        prefix = f"{weights.prefix}{prefix}" if isinstance(weights.prefix, str) else prefix
-        weights = weights.dataset
+    weights: Any = getattr(hook, "weights_map", None) if getattr(hook, "offload", False) else None
+    prefix, depth = "", 0
+    while prefixed_cls is not None and type(weights) is prefixed_cls and depth < 16:  # (a cycle stops too)
+        depth += 1
+        outer = getattr(weights, "prefix", None)
+        prefix = f"{outer}{prefix}" if isinstance(outer, str) else prefix
+        weights = getattr(weights, "dataset", None)
     return (weights, prefix) if loader_cls is not None and type(weights) is loader_cls else (None, "")
 
 
@@ -169,7 +169,11 @@ def refuse_offloaded_modules(obj: object) -> None:
     Raises:
         DumpError: such a submodule exists.
     """
-    if _accelerate_class(_LOADER) is None or not isinstance(obj, torch.nn.Module):
+    if _accelerate_class(_LOADER) is None:
+        return
+    import torch  # imported already: accelerate imports it (the registry, which imports this module, must not)
+
+    if not isinstance(obj, torch.nn.Module):
         return
     for name, module in obj.named_modules():
         loader, prefix = _loader_of(module.__dict__.get("_hf_hook"))
@@ -206,6 +210,8 @@ def reduce_offloaded_loader(loader: Any, *, refuse: bool = False) -> tuple[Any, 
         return reduced  # type: ignore[no-any-return]
     if refuse:
         raise Unpicklable(_refusal("an accelerate OffloadedWeightsLoader", loader, keys))
+    import torch  # imported already: the loader is accelerate's
+
     weights = dict(loader.state_dict)
     for key in keys:
         try:
