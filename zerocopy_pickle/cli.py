@@ -279,28 +279,35 @@ def _statuses(
 
 
 def _sniff(path: str) -> str:
-    with open(path, "rb") as f:
-        head = f.read(16)
-    if head.startswith(fmt.MAGIC_PREFIX):
-        return "snapshot"
-    if head.startswith(b"PK\x03\x04"):
-        return "torch"
-    if len(head) >= 9 and head[8:9] == b"{":
-        return "safetensors"
-    return "torch"  # the legacy (pre-1.6) torch.save format starts with a pickle
+    """What ``path`` is (:func:`zerocopy_pickle.sources.sniff`, the detection loads use too); anything unknown is
+    handed to torch.load, whose error then says what is wrong."""
+    from .sources import at_fd, sniff
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        kind = sniff(at_fd(fd), os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    return "torch" if kind is None or kind.startswith("torch.save") else kind
 
 
 def _torch_load(path: str, *, weights_only: bool) -> Any:
+    import warnings
+
     import torch
 
-    try:
-        # Mapped: the tensors are read once, while they are written into the snapshot.
-        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):
-            raise
-    # The legacy (pre-1.6) format cannot be mapped; read it.
-    return torch.load(path, map_location="cpu", weights_only=weights_only)
+    with warnings.catch_warnings():
+        # A TorchScript archive (converted with --trusted only): torch.load dispatches it to torch.jit.load, and
+        # says so in a warning with its source line; the command's output already names the kind.
+        warnings.filterwarnings("ignore", message=".*looks like a TorchScript archive", category=UserWarning)
+        try:
+            # Mapped: the tensors are read once, while they are written into the snapshot.
+            return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+        # The legacy (pre-1.6) format cannot be mapped; read it.
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
 
 
 def _torch_load_failure(path: str, error: Exception) -> str:
@@ -324,6 +331,11 @@ def _convert(args: argparse.Namespace) -> int:
     kind = _sniff(args.input)
     if kind == "snapshot":
         raise ZeroCopyPickleError(f"{args.input} is already a zerocopy_pickle snapshot")
+    if kind == "torchscript" and not args.trusted:
+        raise ZeroCopyPickleError(
+            f"{args.input} is a TorchScript archive (torch.jit.save): reading it runs the TorchScript code it holds, "
+            f"which torch.load(weights_only=True) refuses; if you trust the file, convert it with --trusted"
+        )
     if kind == "safetensors":
         try:
             from safetensors.torch import load_file

@@ -25,7 +25,9 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import shlex
 import stat
+import zipfile
 from collections.abc import Callable
 from typing import BinaryIO, Literal, NamedTuple, Union
 
@@ -43,8 +45,10 @@ __all__ = [
     "at_fd",
     "at_view",
     "claimed_nbytes",
+    "not_a_snapshot",
     "open_source",
     "read_header",
+    "sniff",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -159,12 +163,127 @@ def open_source(
         else:
             continue
         try:
+            if kind != "file" and bytes(view[: len(format.MAGIC_PREFIX)]) != format.MAGIC_PREFIX:
+                # A torch or safetensors file given to a load: say so, and what reads it.
+                found = _identified(view, os.fsdecode(source) if kind == "path" else None)  # type: ignore[arg-type]
+                if found is not None:
+                    raise SnapshotError(found)
             return Opened(view, stable, read_header(at_view(view), view.nbytes), file)
         except BaseException:
             if file is not None:
                 os.close(file[0])
             raise
     raise ArgumentError(f"{what}() needs {accepts.needs}, not {type(source).__name__}")
+
+
+# -- what a file that is not a snapshot is -------------------------------------------------------------------------
+
+# pickle protocol 2, then torch.serialization's MAGIC_NUMBER (0x1950a86a20f9469cfc6c) as a LONG1 of 10 bytes:
+# how every legacy (pre-1.6, or _use_new_zipfile_serialization=False) torch.save file begins.
+_TORCH_LEGACY = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
+_ZIP = b"PK\x03\x04"
+_MAX_NAMES = 1 << 16  # zip entries looked at to tell TorchScript from torch.save
+_MAX_ZIP_READ = 16 << 20  # bytes of a zip's directory read to tell them apart (a hostile one may claim gigabytes)
+
+Kind_ = Literal["snapshot", "safetensors", "torchscript", "torch.save", "torch.save (legacy)"]
+
+
+class _ReaderAt(io.RawIOBase):
+    """A seekable read-only file over a :data:`ReadAt` of ``nbytes`` bytes (for ``zipfile``, which reads only the
+    central directory at the end: a few KiB, never the members); reading more than ``_MAX_ZIP_READ`` in all
+    raises ``OSError``."""
+
+    def __init__(self, read: ReadAt, nbytes: int) -> None:
+        self._read, self._nbytes, self._pos, self._budget = read, nbytes, 0, _MAX_ZIP_READ
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._nbytes}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b: memoryview) -> int:  # type: ignore[override]
+        nbytes = min(len(b), max(0, self._nbytes - self._pos))
+        self._budget -= nbytes
+        if self._budget < 0:
+            raise OSError("the zip directory is larger than a torch file's")
+        data = self._read(self._pos, nbytes)
+        b[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def sniff(read: ReadAt, nbytes: int) -> Kind_ | None:
+    """What the ``nbytes`` bytes ``read`` reads are, from their first bytes (and a zip archive's list of names):
+    a ``"snapshot"``, a ``"safetensors"`` file, a ``"torchscript"`` archive (``torch.jit.save``), a
+    ``"torch.save"`` zip archive, a ``"torch.save (legacy)"`` file; None when none of those."""
+    head = bytes(read(0, 16))
+    if head.startswith(format.MAGIC_PREFIX):
+        return "snapshot"
+    if head.startswith(_TORCH_LEGACY):
+        return "torch.save (legacy)"
+    if head.startswith(_ZIP):
+        try:
+            with zipfile.ZipFile(_ReaderAt(read, nbytes)) as archive:
+                infos = archive.infolist()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+            return None
+        names = [info.filename for info in infos[:_MAX_NAMES]]
+        # torch.jit.save writes <name>/constants.pkl and <name>/code/; torch.save writes neither.
+        if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
+            return "torchscript"
+        return "torch.save" if any(n.endswith("/data.pkl") for n in names) else None
+    if len(head) >= 9 and head[8:9] == b"{":
+        header_nbytes = int.from_bytes(head[:8], "little")
+        if 2 <= header_nbytes <= nbytes - 8:
+            return "safetensors"
+    return None
+
+
+def not_a_snapshot(kind: Kind_, name: str | None) -> str | None:
+    """One sentence for a load given a torch or safetensors file instead of a snapshot: what it is, how to read
+    it, and the command that makes a snapshot of it (``name``: its path, or None for bytes in memory)."""
+    shown = repr(name) if name is not None else "io.BytesIO(data)"
+    first = f"{name!r} is" if name is not None else "these bytes are"
+    written = "" if name is not None else " (written to a file first)"
+    plain = name is not None and name.isprintable()
+    path = shlex.quote(name) if plain and name is not None else "model.pt"
+    out = shlex.quote(os.path.splitext(name)[0] + ".zcp") if plain and name is not None else "model.zcp"
+    if kind in ("torch.save", "torch.save (legacy)"):
+        what = "a zip archive" if kind == "torch.save" else "the legacy format"
+        return (
+            f"{first} a torch.save file ({what}), not a zerocopy_pickle snapshot: read it with "
+            f"torch.load({shown}, weights_only=True), or make a snapshot of it{written} with "
+            f"`zerocopy-pickle convert {path} {out}`"
+        )
+    if kind == "torchscript":
+        return (
+            f"{first} a TorchScript archive (torch.jit.save), not a zerocopy_pickle snapshot: read it with "
+            f"torch.jit.load({shown}) (only from a source you trust: it runs the archive's code), or make a snapshot "
+            f"of it{written} with `zerocopy-pickle convert {path} {out} --trusted`"
+        )
+    if kind == "safetensors":
+        return (
+            f"{first} a safetensors file, not a zerocopy_pickle snapshot: read it with "
+            f"safetensors.torch.load_file({shown if name is not None else 'path'}), or make a snapshot of it"
+            f"{written} with `zerocopy-pickle convert {path} {out}`"
+        )
+    return None
+
+
+def _identified(view: memoryview, name: str | None) -> str | None:
+    """When ``view`` (not a snapshot: its magic is not ours) holds a torch or safetensors file, what
+    :func:`not_a_snapshot` says about it (``name``: its path, None for bytes); else None."""
+    kind = sniff(at_view(view), view.nbytes)
+    return None if kind is None or kind == "snapshot" else not_a_snapshot(kind, name)
 
 
 def _open_buffer(data: object, copy: bool | None, what: str, needs: str) -> tuple[memoryview, bool]:
