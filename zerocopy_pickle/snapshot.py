@@ -14,6 +14,7 @@ a tensor first touches them.
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib.util
 import io
@@ -371,7 +372,8 @@ def dump(
             the object that fails and where it sits (``obj.encoder.layers[3]._forward_hooks[7]``).
         ArgumentError: an unknown backend, or one whose package is not installed; a malformed
             ``ZEROCOPY_PICKLE_PROGRESS`` or ``ZEROCOPY_PICKLE_PROGRESS_MIN``.
-        OSError: writing failed (a full disk, say); a path keeps its previous contents.
+        OSError: writing failed (a full disk, say); a path keeps its previous contents. ``FileNotFoundError``
+            (naming ``f``) before anything is pickled when the folder ``f`` goes into does not exist.
 
     Examples:
         >>> import torch, zerocopy_pickle as zp
@@ -398,6 +400,7 @@ def dump(
         f = f.removeprefix("file://")
     start = time.perf_counter()
     if isinstance(f, (str, os.PathLike)):
+        _check_folder(f)  # before pickling, and naming the user's path, not the temporary file's
         prepared = _Prepared(obj, backend, checksums, key, registry, for_file=True, offloaded=offloaded)
         _warn_if_trusted_only(obj, prepared, registry)
         with arena.atomic_output(f, fsync=fsync) as fd:
@@ -411,6 +414,18 @@ def dump(
         raise ArgumentError(f"dump() needs a path or a binary file object, not {type(f).__name__}")
     log.info("dumped %s: %d bytes, %d buffers, %.3f s", _name(f), prepared.layout.total_nbytes, len(prepared.views),
              time.perf_counter() - start)  # fmt: skip
+
+
+def _check_folder(f: PathLike) -> None:
+    """Raise ``FileNotFoundError`` (``NotADirectoryError``) naming ``f`` when the folder it goes into does not
+    exist (is not a folder)."""
+    name = os.fsdecode(f)
+    folder = os.path.dirname(os.path.abspath(name))
+    if os.path.isdir(folder):
+        return
+    if os.path.lexists(folder):
+        raise NotADirectoryError(errno.ENOTDIR, f"cannot dump to {name!r}: {folder!r} is not a folder", name)
+    raise FileNotFoundError(errno.ENOENT, f"cannot dump to {name!r}: the folder {folder!r} does not exist", name)
 
 
 def dumps(
