@@ -212,3 +212,15 @@ def test_sniff_reads_at_most_its_budget_of_a_zip(files: dict[str, Path], monkeyp
     assert sum(reads[1:]) <= 64  # after the 16-byte head
     monkeypatch.undo()
     assert sources.sniff(read, len(data)) == "torchscript"
+
+
+def test_load_of_a_safetensors_file_says_how_to_read_and_convert_it(tmp_path: Path) -> None:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    path = tmp_path / "weights.safetensors"
+    safetensors_torch.save_file({"w": torch.ones(3)}, str(path))
+    with pytest.raises(SnapshotError) as caught:
+        zp.load(path)
+    message = str(caught.value)
+    assert message.startswith(f"{str(path)!r} is a safetensors file, not a zerocopy_pickle snapshot")
+    assert f"safetensors.torch.load_file({str(path)!r})" in message
+    assert f"`zerocopy-pickle convert {path} {tmp_path / 'weights.zcp'}`" in message
