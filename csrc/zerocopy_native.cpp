@@ -185,6 +185,7 @@ constexpr std::size_t kMaxStack = std::size_t(1) << 20;  // streamcheck.MAX_STAC
 constexpr std::size_t kMaxMarks = 50000;                  // streamcheck.MAX_MARKS
 constexpr uint32_t kMaxDepth = 5000;                      // semantics.MAX_DEPTH
 constexpr uint32_t kMaxUnprotectedDepth = 200;            // semantics.MAX_UNPROTECTED_DEPTH
+constexpr uint32_t kMaxKeyDepth = 100;                    // semantics.MAX_KEY_DEPTH
 constexpr std::size_t kMaxNameLength = 1024;              // semantics.MAX_NAME_LENGTH
 constexpr uint64_t kHashFloor = uint64_t(1) << 20;        // semantics.HASH_FLOOR
 constexpr uint64_t kHashPerByte = 4;                      // semantics.HASH_PER_BYTE
@@ -654,6 +655,10 @@ class Analyzer {
     uint64_t compared = 0;
     for (std::size_t i = from; i < to; i += step) {
       const Tag& item = tags_[stack_[i]];
+      if (item.depth > kMaxKeyDepth) {
+        die(kTooDeep, pos);
+        return false;
+      }
       spent = add_size(spent, item.size);
       if (item.hashk == kChosen) {
         // chosen * size, saturating: chosen < 2**32 (one per opcode), size <= kSizeCap

@@ -486,3 +486,21 @@ def test_a_5_mb_dotted_module_name_is_refused_and_scanned(tmp_path: Path) -> Non
     proc = run_child(script, "scan", "--json", str(path))
     assert_exited(proc, 1)
     assert '"exit_code": 1' in proc.stdout and len(proc.stdout) < 10_000
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_a_deep_tuple_key_is_refused_without_a_crash_even_in_a_small_thread(tmp_path: Path, where: str) -> None:
+    """A dict key nested MAX_DEPTH (5,000) deep: hashing it recursed in C and crashed a 256 KiB thread; keys are
+    now refused deeper than MAX_KEY_DEPTH, and one just within it loads in that thread."""
+    deep = b"}" + b")" + b"\x85" * (semantics.MAX_DEPTH - 2) + b"Ns."
+    path = tmp_path / "deep-key.zcp"
+    path.write_bytes(as_snapshot(PROTO + deep))
+    proc = run_child(CHAIN_CHILD, str(path), where)
+    assert_exited(proc)
+    assert "REFUSED SnapshotError" in proc.stdout and "as a dict key or set member" in proc.stdout, proc.stdout
+    assert proc.stdout.rstrip().endswith("FREED")
+    within = b"}" + b")" + b"\x85" * (semantics.MAX_KEY_DEPTH - 1) + b"Ns."
+    path.write_bytes(as_snapshot(PROTO + within))
+    proc = run_child(CHAIN_CHILD, str(path), where)
+    assert_exited(proc)
+    assert "LOADED" in proc.stdout and proc.stdout.rstrip().endswith("FREED"), proc.stdout

@@ -28,7 +28,8 @@ will hold is known exactly. The analysis refuses, with the byte offset:
 
 and it enforces the cost model (Note [The cost model]), raising :class:`~zerocopy_pickle.errors.SnapshotError`
 for values nested deeper than :data:`MAX_DEPTH` (hashing a deeply nested tuple recurses in C without a limit),
-deques and defaultdicts nested deeper than :data:`MAX_UNPROTECTED_DEPTH`, names longer than
+deques and defaultdicts nested deeper than :data:`MAX_UNPROTECTED_DEPTH`, dict keys and set members nested
+deeper than :data:`MAX_KEY_DEPTH`, names longer than
 :data:`MAX_NAME_LENGTH`, and a stream that makes the unpickler hash more than its budget of elements
 (:data:`HASH_FLOOR`, :data:`HASH_PER_BYTE`).
 
@@ -53,6 +54,7 @@ __all__ = [
     "HASH_FLOOR",
     "HASH_PER_BYTE",
     "MAX_DEPTH",
+    "MAX_KEY_DEPTH",
     "MAX_NAME_LENGTH",
     "MAX_UNPROTECTED_DEPTH",
     "StreamUses",
@@ -69,6 +71,10 @@ MAX_UNPROTECTED_DEPTH = 200
 CPython frees these two without its "trashcan" (which turns a deep chain of lists, dicts, tuples, sets and
 instances into a loop), so freeing a chain of them recurses in C: 100,000 defaultdicts crash an 8 MiB stack,
 and a thread's stack can be far smaller."""
+MAX_KEY_DEPTH = 100
+"""Deepest nesting of a dict key or set member (a value CPython hashes, and compares on a collision). Hashing a
+tuple recurses in C, one frame per level, and a thread may run with a small stack (``threading.stack_size``):
+a key nested a few thousand deep crashed a 256 KiB thread. Keys that real pickles hold are a few levels deep."""
 MAX_NAME_LENGTH = 1_024
 """Longest module name, and longest qualified name, of a global (in characters). The longest in torch,
 transformers and diffusers are under 120."""
@@ -275,6 +281,12 @@ class _Hashing:
         chosen = target.chosen
         compared = 0
         for item in items[::step]:
+            if item.depth > MAX_KEY_DEPTH:
+                raise SnapshotError(
+                    f"the pickle stream uses a value nested {item.depth} levels deep as a dict key or set member "
+                    f"(at byte {pos}); a restricted load hashes values at most {MAX_KEY_DEPTH} levels deep (hashing "
+                    f"recurses in C, and a thread's stack can be small); only trusted=True loads it"
+                )
             spent += item.size
             if item.hashk == _CHOSEN:
                 compared += chosen * item.size
@@ -691,8 +703,9 @@ def _from_native(payload: tuple[Any, ...]) -> StreamUses:
 #   known when it is put into another only if nothing is added to it afterwards, so a container that was put
 #   into another value (`nested`) may not be filled or receive state any more (pickle writes that only for
 #   a reference cycle: the object is referenced from inside itself before its own items follow). With that
-#   rule every depth is exact, bounded by MAX_DEPTH, and by MAX_UNPROTECTED_DEPTH below the two types CPython
-#   frees recursively.
+#   rule every depth is exact, bounded by MAX_DEPTH, by MAX_UNPROTECTED_DEPTH below the two types CPython
+#   frees recursively, and by MAX_KEY_DEPTH for what is hashed (tuple hashing recurses in C, in whatever
+#   stack the loading thread has).
 # * Expansion. A memo reference costs two bytes and repeats a whole value: t1 = (t0, t0), t2 = (t1, t1), ...
 #   is 2**k elements from 5k bytes. Each tag carries its expanded `size` (exact by the rule above; saturating
 #   at _SIZE_CAP), and every value the unpickler hashes (dict keys, set and frozenset members, whatever
