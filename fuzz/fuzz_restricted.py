@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 # instrumented (coverage feedback comes only from modules imported inside this block).
 with atheris.instrument_imports(include=["zerocopy_pickle", "zerocopy_pickle_quirks"]):
     import zerocopy_pickle_quirks.bnb
+    import zerocopy_pickle_quirks.parametrize
     import zerocopy_pickle_quirks.runtime_objects  # noqa: F401
 
     import zerocopy_pickle.device
