@@ -92,6 +92,18 @@ def test_load_of_a_torchscript_archive_says_trusted(files: dict[str, Path]) -> N
         zp.loads(path.read_bytes())
 
 
+def test_a_file_object_or_a_copying_load_gets_the_same_advice(files: dict[str, Path]) -> None:
+    path = files["zip"]
+    with pytest.raises(SnapshotError, match=r"is a torch\.save file \(a zip archive\)") as caught:
+        zp.load(path, copy=True)  # read into memory: the fixed header is checked while reading
+    assert f"torch.load({str(path)!r}, weights_only=True)" in str(caught.value)
+    with open(path, "rb") as f, pytest.raises(SnapshotError) as caught:
+        zp.load(f)  # mapped: named by its name
+    assert str(caught.value).startswith(f"{str(path)!r} is a torch.save file (a zip archive)")
+    with pytest.raises(SnapshotError, match=r"^not a zerocopy_pickle snapshot"):
+        zp.load(io.BytesIO(path.read_bytes()))  # read as it arrives: refused from its first bytes, as before
+
+
 def test_a_path_with_spaces_is_quoted_in_the_command(tmp_path: Path) -> None:
     path = tmp_path / "my model.pt"
     torch.save({"w": torch.ones(2)}, path)

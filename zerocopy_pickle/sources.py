@@ -146,10 +146,23 @@ def open_source(
     for kind in accepts.kinds:
         file: tuple[int, int] | None = None
         if kind == "path" and isinstance(source, (str, os.PathLike)):
-            memory, stable, file = _open_path(source, bool(copy), keep_file)
+            try:
+                memory, stable, file = _open_path(source, bool(copy), keep_file)
+            except SnapshotError:  # read into memory (copy=True, not a regular file): its header was checked first
+                found = _identified_path(source)
+                if found is not None:
+                    raise SnapshotError(found) from None
+                raise
             view = memoryview(memory)
         elif kind == "file" and hasattr(source, "read"):
-            memory, stable, file = _open_file(source, bool(copy), keep_file)  # type: ignore[arg-type]
+            at = _file_start(source)  # type: ignore[arg-type]
+            try:
+                memory, stable, file = _open_file(source, bool(copy), keep_file)  # type: ignore[arg-type]
+            except SnapshotError:
+                found = None if at is None else _identified_fd(*at, _source_name(source, kind))
+                if found is not None:
+                    raise SnapshotError(found) from None
+                raise
             view = memoryview(memory)
         elif kind == "bytes" and isinstance(source, (bytes, bytearray, memoryview, mmap.mmap)):
             view, stable = memoryview(source).cast("B"), False
@@ -163,9 +176,9 @@ def open_source(
         else:
             continue
         try:
-            if kind != "file" and bytes(view[: len(format.MAGIC_PREFIX)]) != format.MAGIC_PREFIX:
+            if bytes(view[: len(format.MAGIC_PREFIX)]) != format.MAGIC_PREFIX:
                 # A torch or safetensors file given to a load: say so, and what reads it.
-                found = _identified(view, os.fsdecode(source) if kind == "path" else None)  # type: ignore[arg-type]
+                found = _identified(view, _source_name(source, kind))
                 if found is not None:
                     raise SnapshotError(found)
             return Opened(view, stable, read_header(at_view(view), view.nbytes), file)
@@ -277,6 +290,47 @@ def not_a_snapshot(kind: Kind_, name: str | None) -> str | None:
             f"{written} with `zerocopy-pickle convert {path} {out}`"
         )
     return None
+
+
+def _source_name(source: object, kind: Kind) -> str | None:
+    """A path's name, or a file object's ``name`` when it is a path; None for bytes."""
+    if kind == "path" and isinstance(source, (str, os.PathLike)):
+        return os.fsdecode(source)
+    name = getattr(source, "name", None) if kind == "file" else None
+    return name if isinstance(name, str) else None
+
+
+def _file_start(f: BinaryIO) -> tuple[int, int] | None:
+    """``(fd, position)`` of a file object whose bytes are its fd's (:func:`_mappable_fd`), before it is read."""
+    fd = _mappable_fd(f)
+    try:
+        return None if fd is None else (fd, f.tell())
+    except (OSError, io.UnsupportedOperation):
+        return None
+
+
+def _identified_fd(fd: int, start: int, name: str | None) -> str | None:
+    """:func:`_identified` for the regular file ``fd`` from ``start`` (None for anything else, or on a read error)."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        kind = sniff(at_fd(fd, start), max(st.st_size - start, 0))
+    except OSError:
+        return None
+    return None if kind is None or kind == "snapshot" else not_a_snapshot(kind, name)
+
+
+def _identified_path(path: PathLike) -> str | None:
+    """:func:`_identified` for the regular file at ``path`` (None for anything else, or when it cannot be read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return _identified_fd(fd, 0, os.fsdecode(path))
+    finally:
+        os.close(fd)
 
 
 def _identified(view: memoryview, name: str | None) -> str | None:
