@@ -24,6 +24,7 @@ import importlib
 import io
 import os
 import pickle
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -32,7 +33,7 @@ from typing import IO, Any
 
 import torch
 
-from . import rebuild, validate
+from . import rebuild, safeglobals, validate
 from .device import MapLocation, static_target
 from .errors import (
     ArgumentError,
@@ -206,6 +207,53 @@ def _reduce_memory_format(fmt: torch.memory_format) -> tuple[Any, ...]:
     return rebuild.rebuild_memory_format, (str(fmt).removeprefix("torch."),)
 
 
+def _reduce_ndarray(array: Any) -> Any:
+    # Note [NumPy values] (safeglobals): an exact ndarray of a table dtype reduces to the library's own validating
+    # rebuild over a PickleBuffer (out of band, as NumPy's own protocol-5 reduction), C or Fortran order kept; a
+    # non-contiguous array is written as a C-ordered copy (as NumPy's own pickle does). Anything else (object,
+    # structured, string dtypes) keeps NumPy's reduction, which only trusted=True loads.
+    dtype = array.dtype
+    if not safeglobals.numpy_dtype_known(dtype):
+        return array.__reduce_ex__(PROTOCOL)
+    if array.flags.c_contiguous:
+        order = "C"
+    elif array.flags.f_contiguous:
+        order = "F"
+    else:
+        array, order = array.copy(order="C"), "C"
+    # datetime64/timedelta64 arrays export no buffer: their bytes travel as the same-sized integers.
+    data = array.view(dtype.str[0] + "i8") if dtype.kind in "Mm" else array
+    return safeglobals.rebuild_ndarray, (pickle.PickleBuffer(data), dtype.str, array.shape, order)
+
+
+def _reduce_numpy_scalar(scalar: Any) -> Any:
+    dtype = scalar.dtype
+    if dtype.itemsize == 0 and dtype.kind in "US":  # the empty str_ / bytes_: width 1 (NumPy strips the NUL)
+        return safeglobals.rebuild_numpy_scalar, ("|S1", b"\0") if dtype.kind == "S" else ("<U1", bytes(4))
+    if not safeglobals.numpy_dtype_known(dtype):
+        return scalar.__reduce_ex__(PROTOCOL)
+    return safeglobals.rebuild_numpy_scalar, (dtype.str, scalar.tobytes())
+
+
+def _reduce_numpy_dtype(dtype: Any) -> Any:
+    if not safeglobals.numpy_dtype_known(dtype):
+        return dtype.__reduce_ex__(PROTOCOL)
+    return safeglobals.rebuild_numpy_dtype, (dtype.str,)
+
+
+def _numpy_reductions() -> dict[type, Callable[[Any], Any]]:
+    """The dispatch-table entries for NumPy arrays, scalars and dtypes: none when NumPy was never imported (then
+    nothing in the graph is a NumPy value)."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return {}
+    table: dict[type, Callable[[Any], Any]] = {np.ndarray: _reduce_ndarray}
+    for dtype in (*safeglobals.numpy_dtypes().values(), np.dtype("U1"), np.dtype("S1")):
+        table[dtype.type] = _reduce_numpy_scalar
+        table[type(dtype)] = _reduce_numpy_dtype
+    return table
+
+
 def _on_buffer(state: _DumpState, callback: Callable[[pickle.PickleBuffer], Any], buffer: pickle.PickleBuffer) -> Any:
     entry = state.pending.pop(id(buffer), None)
     if entry is not None:
@@ -265,6 +313,7 @@ class _Reductions:
         table[torch.UntypedStorage] = functools.partial(_reduce_untyped_storage, self._state)
         table.update(dict.fromkeys(_storage_types(), reduce_typed))
         table[torch.memory_format] = _reduce_memory_format
+        table.update(_numpy_reductions())
         self.dispatch_table = table
         return None if buffer_callback is None else functools.partial(_on_buffer, self._state, buffer_callback)
 

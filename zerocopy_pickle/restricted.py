@@ -55,6 +55,7 @@ __all__ = [
     "allow_function",
     "format_global",
     "is_blocked",
+    "numpy_machinery",
     "refusal_message",
     "safe_globals",
     "scan_stream",
@@ -296,6 +297,29 @@ def _constructs_fresh(cls: type) -> bool:
     return False
 
 
+_NUMPY_MACHINERY = frozenset(
+    (module, name)
+    for core in ("numpy._core", "numpy.core")
+    for module, name in (
+        (f"{core}.multiarray", "_reconstruct"),
+        (f"{core}.multiarray", "scalar"),
+        (f"{core}.numeric", "_frombuffer"),
+    )
+) | {("numpy", "ndarray"), ("numpy", "dtype")}
+
+
+def numpy_machinery(pair: tuple[str, str]) -> bool:
+    """Whether ``pair`` is one of the NumPy names a ``torch.serialization.add_safe_globals`` list holds for NumPy
+    values (``_reconstruct``, ``scalar``, ``_frombuffer``, ``ndarray``, ``dtype``, the ``numpy.dtypes`` classes).
+
+    An ``allow=`` entry naming one is accepted and ignored (Note [NumPy values] in safeglobals): numeric NumPy
+    values load through this library's own rebuilds without it, and admitting it would let a stream call
+    ``numpy.ndarray(shape)`` (memory from a size alone) or the unchecked ``_reconstruct``. Only
+    :func:`allow_function` admits such a function to be called, on the caller's word."""
+    module, name = pair
+    return pair in _NUMPY_MACHINERY or (module == "numpy.dtypes" and name.endswith("DType"))
+
+
 class AllowList:
     """The globals one load may resolve, and what it may do with each: the built-in safe set, the plugins'
     declared safe globals, and this call's ``allow=``.
@@ -337,6 +361,8 @@ class AllowList:
             callable_ = isinstance(item, AllowFunction)
             target = item.target if isinstance(item, AllowFunction) else item
             pair, obj = _entry(target)
+            if not callable_ and numpy_machinery(pair):
+                continue  # Note [NumPy values]: what torch's safe_globals needs for NumPy values, covered here
             if callable_:
                 functions.add(pair)
             if obj is not None or pair not in allowed:
@@ -514,6 +540,9 @@ class AllowList:
                 continue
             if is_blocked(pair):
                 blocked.append(pair)
+                continue
+            if numpy_machinery(pair) and pair not in self._functions:
+                reasons.append(f"it uses {name}, NumPy's own pickle machinery, which allow= does not admit")
                 continue
             if pair in self._extra:  # a plugin's safe function: callable, its result never filled
                 if made or ops:
@@ -694,6 +723,15 @@ def _classify(pair: tuple[str, str]) -> str:
     return "function" if callable(obj) else "value"
 
 
+_NUMPY_HINT = (
+    "Its NumPy values were pickled by NumPy's own reductions (plain pickle, torch.save, an earlier zerocopy_pickle, "
+    "or a dtype restricted loads never rebuild: object, structured, long double): zerocopy_pickle.dump writes "
+    "NumPy arrays, scalars and dtypes of numeric and string dtypes with its own checked rebuilds, which load "
+    "restricted without allow=, so dumped again from a trusted load of this one, those values load restricted."
+)
+"""Appended to a trusted-only refusal of a stream that names NumPy (Note [NumPy values] in safeglobals)."""
+
+
 def refusal_message(
     error: RestrictedLoadError,
     allow_list: AllowList,
@@ -714,6 +752,8 @@ def refusal_message(
             f"No allow= can admit this stream: {'; '.join(advice.trusted_only)}. Only trusted=True loads it: do "
             f"that only if you made this snapshot or trust its source completely."
         )
+        if any(module == "numpy" or module.startswith("numpy.") for module, _ in uses.globals):
+            parts.append(_NUMPY_HINT)
     elif advice.needed:
         names = ", ".join(repr(format_global(g)) for g in advice.needed)
         functions = {e.target for e in advice.allow if isinstance(e, AllowFunction)}
