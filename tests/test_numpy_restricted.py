@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import mmap
 import pickle
+import struct
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -425,3 +426,13 @@ def test_both_analyses_agree_on_numpy_streams(analyzer: Any) -> None:
     for value in (np.arange(3), np.float64(0.5), np.dtype("float32")):
         for protocol in (2, 5):  # NumPy's own reductions
             assert_agree(analyzer, pickle.dumps({"x": value}, protocol=protocol))
+
+
+def test_scalar_keys_count_as_keys_of_chosen_hash() -> None:
+    # np.uint64 hashes as the int it holds: 1, 1 + (2**61 - 1), ... all hash to 1. The analysis counts a call
+    # result used as a key as one whose hash the stream chooses, and refuses a dict of many before it is built.
+    step = (1 << 61) - 1
+    keys = {call(G(*SCALAR), "<u8", struct.pack("<Q", 1 + (i % 8) * step + i // 8)): 0 for i in range(20_000)}
+    assert hash(np.uint64(1)) == hash(np.uint64(1 + step))
+    with pytest.raises(zp.SnapshotError, match="hashes it can choose"):
+        load_hostile(program(keys))
