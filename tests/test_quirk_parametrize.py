@@ -429,7 +429,6 @@ def test_what_the_quirk_cannot_carry_is_refused_or_pickled_as_usual() -> None:
 def wav2vec2_config() -> Any:
     from transformers import Wav2Vec2Config
 
-    # ReLU activations: transformers' GELUActivation holds torch._C._nn.gelu, which no restricted load admits.
     return Wav2Vec2Config(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
         conv_kernel=(10, 3), conv_stride=(5, 2), num_feat_extract_layers=2, num_conv_pos_embeddings=16,

@@ -19,8 +19,6 @@ extra, peft and silero-vad through the [models] extra):
 
 Trusted only, and why (asserted below, so a change shows):
 
-* BERT and Wav2Vec2: transformers' ``GELUActivation`` holds ``torch.nn.functional.gelu``, which pickles as the
-  global ``torch._C._nn:gelu``, and the blocklist refuses everything in ``torch._C``: no ``allow=`` admits it;
 * ``cpu_offload``: accelerate's hooks replace each module's ``forward`` with a local function, pickled by value
   (cloudpickle): loading it runs that code (the dump warns, ``TrustedOnlyWarning``).
 
@@ -63,7 +61,6 @@ pytestmark = pytest.mark.slow
 SPAWN = multiprocessing.get_context("spawn")
 
 # Why only trusted=True loads a model, as RestrictedLoadError.trusted_only says it (a substring of one reason).
-GELU_BLOCKED = "'torch._C._nn:gelu' is on the blocklist"
 BY_VALUE = "it holds code pickled by value (cloudpickle.cloudpickle)"
 
 
@@ -236,8 +233,8 @@ class Case:
 CASES = {
     "transformers-llama": Case(_llama, _logits),
     "transformers-gpt2": Case(_gpt2, _logits),
-    "transformers-bert": Case(_bert, _hidden, trusted_only=GELU_BLOCKED),
-    "transformers-wav2vec2": Case(_wav2vec2, _audio_hidden, trusted_only=GELU_BLOCKED),
+    "transformers-bert": Case(_bert, _hidden),  # GELUActivation's F.gelu: torch._C._nn:gelu, a safe value
+    "transformers-wav2vec2": Case(_wav2vec2, _audio_hidden),
     "diffusers-unet": Case(_unet, _unet_noise),
     "diffusers-vae": Case(_vae, _vae_roundtrip),
     "peft-lora-gpt2": Case(_lora, _logits),

@@ -221,3 +221,18 @@ def test_restricted_refusal_runs_nothing(tmp_path: Path) -> None:
     with pytest.raises(zp.RestrictedLoadError, match="io:open"):
         zp.loads(data)
     assert not sentinel.exists()
+
+
+def test_torch_nn_builtins_load_as_values_and_are_never_called() -> None:
+    """transformers' GELUActivation holds F.gelu, which pickles as torch._C._nn:gelu: a safe value (no allow=),
+    while a stream calling it is refused, and every other torch._C name stays blocked."""
+    import torch.nn.functional as F
+
+    from tests.hostile_streams import as_snapshot
+
+    assert zp.loads(zp.dumps({"act": F.gelu, "soft": F.softplus}))["act"] is F.gelu
+    with pytest.raises(zp.RestrictedLoadError, match="a value of the safe set"):
+        zp.loads(as_snapshot(b"\x80\x05\x8c\x0ctorch._C._nn\x8c\x04gelu\x93)R."))
+    for name in ("_parse_to", "thnn_conv2d", "mkldnn_reorder_conv2d_weight"):
+        with pytest.raises(zp.RestrictedLoadError, match="blocklist"):
+            zp.loads(as_snapshot(b"\x80\x05\x8c\x0ctorch._C._nn\x8c" + bytes([len(name)]) + name.encode() + b"\x93."))

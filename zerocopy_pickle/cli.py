@@ -240,7 +240,7 @@ def _statuses(
     about the name: a stream refused for what it does with an allowed global (calls a dtype) keeps it ``allowed``.
     """
     from .pickler import ZeroCopyUnpickler
-    from .restricted import is_blocked, refusal_message
+    from .restricted import is_blocked, refusal_message, safe_globals
 
     allow_list = ZeroCopyUnpickler(
         io.BytesIO(stream), buffers=[], allow=allow, plugins=[name for name, _ in plugins]
@@ -255,8 +255,11 @@ def _statuses(
         blocked.update(refusal.blocked)
         refused.update(refusal.needed)  # not refusal.refused: that can be a use refused, of an allowed name
     statuses: dict[tuple[str, str], str] = {}
+    safe = safe_globals()
     for pair in pairs:
-        if pair in blocked or is_blocked(pair):
+        if pair in safe:  # the safe set is looked up before the blocklist (a few torch._C._nn values)
+            status = "allowed"
+        elif pair in blocked or is_blocked(pair):
             status = "blocked"
         elif pair in refused:
             status = "refused"

@@ -1147,4 +1147,20 @@ def safe_table() -> Mapping[tuple[str, str], SafeGlobal]:
     # This library's pickler writes rebuild_memory_format(name) instead (see zerocopy_pickle.rebuild).
     for name, value in rebuild.MEMORY_FORMATS.items():
         table["torch._utils", f"torch.{name}"] = SafeGlobal(value)
+    # torch.nn.functional's functions that are torch._C._nn builtins, as modules hold them (transformers'
+    # GELUActivation keeps F.gelu, which pickles as torch._C._nn:gelu). Values only, never called by the stream:
+    # the blocklist's torch._C stays closed to every other name.
+    nn_builtins = getattr(torch._C, "_nn", None)
+    for name in NN_BUILTIN_VALUES:
+        value = getattr(nn_builtins, name, None)
+        if isinstance(value, types.BuiltinFunctionType) and getattr(torch.nn.functional, name, None) is value:
+            table["torch._C._nn", name] = SafeGlobal(value)
     return types.MappingProxyType(table)
+
+
+NN_BUILTIN_VALUES = (
+    "gelu", "softplus", "logsigmoid", "elu_", "hardtanh_", "leaky_relu_", "softshrink", "linear",
+    "scaled_dot_product_attention", "avg_pool2d", "avg_pool3d", "one_hot",
+)  # fmt: skip
+"""The ``torch._C._nn`` builtins that ``torch.nn.functional`` exports under the same name: pure tensor
+operations, admitted as values (what a module stores as its activation), never as calls."""
