@@ -436,3 +436,14 @@ def test_scalar_keys_count_as_keys_of_chosen_hash() -> None:
     assert hash(np.uint64(1)) == hash(np.uint64(1 + step))
     with pytest.raises(zp.SnapshotError, match="hashes it can choose"):
         load_hostile(program(keys))
+
+
+def test_the_dill_backend_writes_the_same_rebuilds() -> None:
+    # dill's pickler reduces arrays with its own dill._dill:_create_array (blocked) unless the library's
+    # reducers come first.
+    pytest.importorskip("dill")
+    values = {"a": np.float64(0.91), "f": np.asfortranarray(sample(np.dtype(">i4"))), "s": np.array(["xy"])}
+    out = zp.loads(zp.dumps(values, backend="dill"))
+    assert type(out["a"]) is np.float64 and out["a"] == 0.91
+    same_array(values["f"], out["f"])
+    same_array(values["s"], out["s"])

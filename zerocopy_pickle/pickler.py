@@ -288,6 +288,7 @@ class _Reductions:
     _registry: Registry
     _reducer_cache: dict[type, Callable[[Any], Any] | None]
     _claims: bool  # whether any plugin claims module prefixes (dynamic module namespaces)
+    _numpy: dict[type, Callable[[Any], Any]]  # the reducers of NumPy values (Note [NumPy values], safeglobals)
     _by_value: Any  # a cloudpickle.Pickler whose reducer_override decides by-value reductions, or None
 
     def _setup(
@@ -313,7 +314,8 @@ class _Reductions:
         table[torch.UntypedStorage] = functools.partial(_reduce_untyped_storage, self._state)
         table.update(dict.fromkeys(_storage_types(), reduce_typed))
         table[torch.memory_format] = _reduce_memory_format
-        table.update(_numpy_reductions())
+        self._numpy = _numpy_reductions()
+        table.update(self._numpy)
         self.dispatch_table = table
         return None if buffer_callback is None else functools.partial(_on_buffer, self._state, buffer_callback)
 
@@ -352,7 +354,9 @@ class _Reductions:
             return claim_then_reduce
         reducer = self._registry.lookup(cls)
         if reducer is None:
-            return None
+            # NumPy values here too, not only in the dispatch table: dill's pickler consults its own dispatch
+            # (which reduces arrays with dill._dill:_create_array) before the dispatch table.
+            return self._numpy.get(cls)
         plugins = self._state.plugins
 
         def reduce(obj: Any) -> Any:
