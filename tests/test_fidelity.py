@@ -537,12 +537,18 @@ def test_every_library_error_pickles_with_its_attributes() -> None:
         zp.DumpError("cannot", path="obj.x"),
         zp.Unpicklable("no"),
         zp.RestrictedLoadError("refused", refused=("m", "q"), needed=(("m", "q"),), blocked=(("os", "system"),)),
+        zp.RestrictedLoadError(
+            "advice", refused=("m", "q"), needed=(("m", "f"),), allow=("m:q", zp.allow_function("m:f"))
+        ),
+        zp.RestrictedLoadError("trusted only", refused=("m", "q"), trusted_only=("code pickled by value",)),
         zp.DeviceError("dev"),
         zp.ArgumentError("argument"),
         zp.PluginError("plugin", plugin="p", package="pkg"),
         zp.MissingGlobalError("missing", module="a.b", qualname="C.D"),
     ]
-    assert {type(e) for e in cases} >= {getattr(errors, name) for name in errors.__all__}
+    classes = {getattr(errors, name) for name in errors.__all__}
+    assert {type(e) for e in cases} >= {c for c in classes if issubclass(c, zp.ZeroCopyPickleError)}
+    assert classes - {type(e) for e in cases} == {zp.TrustedOnlyWarning}  # a warning, pickled as any warning is
     for error in cases:
         if hasattr(error, "add_note"):
             error.add_note("a note")
