@@ -243,3 +243,14 @@ def stable_fast_module(seed: int) -> Any:
         Model().eval(), (stable_fast_request(),), check_trace=False, strict=False
     )
     return call_helper(traced)
+
+
+def unpicklable_load(path: str) -> dict[str, Any]:
+    """Loads a torch.save file into a result that cannot be pickled (a suspended generator, at
+    ``result['handle'].pending``), as a loader whose result holds a live iterator; the cache cannot capture it."""
+    import types
+
+    import torch
+
+    pending = (n for n in range(3))
+    return {"state": torch.load(path, weights_only=True), "handle": types.SimpleNamespace(pending=pending)}

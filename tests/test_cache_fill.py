@@ -201,7 +201,7 @@ def test_the_server_checks_what_a_client_files(server: ServerProcess) -> None:
     # A miss with fill is answered at once: the client is to load it.
     with Client(server.directory / "server.sock", timeout=30) as client:
         reply, _, fds = client.request(Get("k-other", Call("tests.cache_helpers:where_am_i"), fill=True))
-    assert reply == {"ok": True, "miss": True, "files": True} and fds == []
+    assert reply == {"ok": True, "miss": True, "files": True, "uncacheable": None} and fds == []
 
 
 def test_a_call_that_raises_raises_in_the_caller_and_files_nothing(server: ServerProcess, tmp_path: Path) -> None:

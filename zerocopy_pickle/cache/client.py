@@ -42,12 +42,24 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import arena, readahead
+from .. import arena, locate, readahead
 from .._version import __version__
 from ..loadcore import argument
 from . import checkpoints, entries
 from .isolation import WORKDIR_ENV, child_environment
-from .messages import MAX_FILE_CHECKS, Call, EntryReply, Failure, FileCheck, Get, JobResult, Miss, Ping, Put
+from .messages import (
+    MAX_FILE_CHECKS,
+    Call,
+    EntryReply,
+    Failure,
+    FileCheck,
+    Get,
+    JobResult,
+    Miss,
+    Ping,
+    Put,
+    Uncapturable,
+)
 from .protocol import REQUEST, CacheError, ProtocolError, receive, runtime_dir, send, socket_path
 
 __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_result"]
@@ -438,6 +450,11 @@ def _warn_once(cause: str, message: str, then: str = "; loading directly") -> No
 
 def _send_put(put: Put, payload: bytes, fds: Sequence[int]) -> None:
     """Send a put, waiting up to :data:`FILL_WAIT` seconds for a server that is still starting."""
+    _send_until_up(put, payload, fds)
+
+
+def _send_until_up(message: Put | Uncapturable, payload: bytes = b"", fds: Sequence[int] = ()) -> None:
+    """Send ``message``, waiting up to :data:`FILL_WAIT` seconds for a server that is still starting."""
     deadline = time.monotonic() + FILL_WAIT
     while True:
         try:
@@ -448,7 +465,7 @@ def _send_put(put: Put, payload: bytes, fds: Sequence[int]) -> None:
                 raise
             time.sleep(0.02)
     with client:
-        client.request(put, payload, fds=fds)
+        client.request(message, payload, fds=fds)
 
 
 def _wait_eof(fd: int, timeout: float) -> bool:
@@ -484,10 +501,13 @@ class _Filer:
         self._lock = threading.Lock()
         self._last: int | None = None  # the read end of the last filing's pipe
         self._writers: set[int] = set()  # write ends this process holds (threaded filings in progress)
+        # Read ends of forked filings' report pipes: a child that finds the result cannot be captured writes why.
+        self._reports: dict[int, tuple[Get, bytearray]] = {}
 
-    def file(self, request: dict[str, Any], value: Any, refs: list[Any], *, files: bool) -> None:
+    def file(self, request: dict[str, Any], value: Any, refs: list[Any], *, files: bool, start: bool = False) -> None:
         """Start filing ``value`` as the entry of ``request`` (``files``: the server takes references to
-        checkpoint files). Raises what capturing raises, where it happens in this thread."""
+        checkpoint files; ``start``: the forked child starts a server first). Raises what capturing raises, where
+        it happens in this thread."""
         put = Put(request["get"], JobResult([], []), len(request["payload"]))
         with self._lock:
             previous, self._last = self._last, None
@@ -495,7 +515,7 @@ class _Filer:
             try:
                 if _fork_is_safe():
                     try:
-                        self._fork(put, request["payload"], value, refs, files, previous, write)
+                        self._fork(put, request["payload"], value, refs, files, previous, write, start)
                     finally:
                         os.close(write)  # the child's copy is the one that counts
                 else:
@@ -524,8 +544,17 @@ class _Filer:
                 self._last = read
 
     def _fork(
-        self, put: Put, args: bytes, value: Any, refs: list[Any], files: bool, previous: int | None, write: int
+        self,
+        put: Put,
+        args: bytes,
+        value: Any,
+        refs: list[Any],
+        files: bool,
+        previous: int | None,
+        write: int,
+        start: bool = False,
     ) -> None:
+        report_read, report = os.pipe()
         _gc_freeze.before_fork()
         try:
             with warnings.catch_warnings():  # Python 3.12+ warns about fork in a threaded process: the child only
@@ -533,19 +562,38 @@ class _Filer:
                 pid = os.fork()
         except BaseException:
             _gc_freeze.child_gone()
+            os.close(report_read)
+            os.close(report)
             raise
         if pid == 0:  # the child: never returns into the caller's code
+            os.close(report_read)
             code = 1
             try:
                 gc.disable()  # short-lived, and a collection would write to (copy) every page of the heap
+                if start:  # before nice(): the server must not inherit this child's lower priority
+                    with contextlib.suppress(Exception):
+                        _spawn_server(reap=False)
                 with contextlib.suppress(OSError):
                     os.nice(10)  # background work: the caller, loading on, comes first
-                for fd in self._writers:
-                    os.close(fd)  # other filings' write ends: their ends must be able to close
+                for fd in (*self._writers, *self._reports):
+                    os.close(fd)  # other filings' write ends (theirs must be able to close), others' reports
                 _detach_stdio()
                 if previous is not None:
                     _wait_eof(previous, FILL_WAIT)
-                result, stream, fds = entries.capture(value, refs, file_segments=files)
+                try:
+                    result, stream, fds = entries.capture(value, refs, file_segments=files)
+                except Exception as e:
+                    if not _is_uncapturable(e):
+                        raise
+                    reason = _uncapturable_reason(value, refs, e)
+                    # To the caller (it warns), then to the server (it remembers: nobody tries again).
+                    with contextlib.suppress(OSError):
+                        os.write(report, reason.encode("utf-8", "replace")[: select.PIPE_BUF])
+                    os.close(report)
+                    log.warning("%s cannot be captured (%s)", put.request.describe or "a call", reason)
+                    _send_until_up(Uncapturable(put.request, reason))
+                    code = 0
+                    return
                 try:
                     _send_put(dataclasses.replace(put, result=result), args + stream, fds)
                 finally:
@@ -557,6 +605,9 @@ class _Filer:
                     log.exception("filing %s failed", put.request.describe or "a call")
             finally:
                 os._exit(code)
+        os.close(report)
+        os.set_blocking(report_read, False)
+        self._reports[report_read] = (put.request, bytearray())
         try:
             threading.Thread(target=_reap, args=(pid,), name="zerocopy_pickle-reap", daemon=True).start()
         except BaseException:
@@ -590,6 +641,30 @@ class _Filer:
             return _wait_eof(last, timeout)
         finally:
             os.close(last)
+            self.report()
+
+    def report(self) -> None:
+        """Warn (once per call) of each result a filing child found it could not capture, as far as the children
+        have told; the reports of children still at work are read later (the next cached call, a drain, exit)."""
+        with self._lock:
+            done: list[tuple[Get, bytes]] = []
+            for fd, (get, data) in list(self._reports.items()):
+                while True:
+                    try:
+                        chunk = os.read(fd, 4096)
+                    except BlockingIOError:
+                        break
+                    except OSError:
+                        chunk = b""
+                    if not chunk:
+                        del self._reports[fd]
+                        os.close(fd)
+                        done.append((get, bytes(data)))
+                        break
+                    data.extend(chunk)
+        for get, text in done:
+            if text:
+                _warn_uncapturable(get, text.decode("utf-8", "replace"))
 
 
 def _fork_is_safe() -> bool:
@@ -643,22 +718,36 @@ class _GcFreeze:
 
     ``gc.unfreeze`` cannot tell a program's frozen objects from ours, so a program's own freeze is never undone: where
     objects were frozen before the first filing, nothing is frozen for it; where the program freezes while filing
-    children live (the count grew beyond what this class froze), nothing is thawed.
+    children live (it called ``gc.freeze``, which this class watches meanwhile), nothing is thawed.
+
+    Nothing here counts the frozen objects: ``gc.get_freeze_count`` walks all of them (45-90 ms for the 380,000
+    objects of a process that imported transformers, on the caller's path at every miss), while ``gc.freeze``
+    and ``gc.unfreeze`` splice lists. The check before the first freeze counts an empty permanent generation
+    (free) unless the program froze objects itself.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._children = 0
         self._frozen = False  # whether this process froze, and so is to unfreeze
-        self._count = 0  # gc.get_freeze_count() after this class's last freeze (it only falls as objects die)
+        self._program_froze = False  # the program called gc.freeze while ours held
+        self._freeze: Callable[[], None] | None = None  # gc.freeze, while it is watched
+        self._watch = self._watched_freeze  # one bound method, to tell whether gc.freeze is still it
+
+    def _watched_freeze(self) -> None:
+        self._program_froze = True
+        if self._freeze is not None:
+            self._freeze()
 
     def before_fork(self) -> None:
         with self._lock:
             if self._children == 0:
-                self._frozen = gc.get_freeze_count() == 0
-            if self._frozen:
-                gc.freeze()
-                self._count = gc.get_freeze_count()
+                self._frozen = gc.get_freeze_count() == 0  # O(1) when nothing is frozen
+                self._program_froze = False
+                if self._frozen and gc.freeze is not self._watch:
+                    self._freeze, gc.freeze = gc.freeze, self._watch
+            if self._frozen and not self._program_froze:
+                (self._freeze or gc.freeze)()
             self._children += 1
 
     def child_gone(self) -> None:
@@ -666,7 +755,10 @@ class _GcFreeze:
             self._children -= 1
             if self._children == 0 and self._frozen:
                 self._frozen = False
-                if gc.get_freeze_count() <= self._count:  # nobody else froze meanwhile
+                if self._freeze is not None and gc.freeze is self._watch:
+                    gc.freeze = self._freeze
+                self._freeze = None
+                if not self._program_froze:  # nobody else froze meanwhile
                     gc.unfreeze()
 
 
@@ -685,31 +777,25 @@ def _timeout() -> float:
 
 
 _spawned: list[float] = []  # when this process last started a server without waiting for it
+_UNREAPED: list[subprocess.Popen[bytes]] = []
+_NO_SERVER = Miss(True)
+"""What :func:`_fetch` answers when no server runs and the caller is to start one once its call has returned."""
+
+
+def _reap_server(process: subprocess.Popen[bytes]) -> None:
+    """Wait for a server this process started (a daemon thread: it holds the ``Popen`` while the server runs, so
+    that it is never collected running, which warns ``ResourceWarning: subprocess N is still running``; a server
+    that outlives this process is then adopted by init)."""
+    with contextlib.suppress(Exception):
+        process.wait()
 
 
 def start_server_in_background(wait: float = 10.0) -> None:
     """Start ``zerocopy-pickle serve`` as a detached process and wait until it answers (``wait=0``: do not wait;
     a second call within ``FILL_WAIT`` seconds then starts nothing, as the first server is still coming up)."""
-    if wait <= 0 and _spawned and time.monotonic() - _spawned[-1] < FILL_WAIT:
+    if not _claim_spawn(wait):
         return
-    _spawned[:] = [time.monotonic()]
-    directory = runtime_dir()
-    log = directory / "server.log"
-    env = dict(os.environ)
-    with contextlib.suppress(OSError):  # relative paths of requests resolve here, as if it ran here
-        env[WORKDIR_ENV] = os.getcwd()
-    with open(log, "ab") as out:
-        # Started in the private runtime directory, not here: Python puts its start directory first on sys.path,
-        # and this one may hold anybody's modules (see isolation.py).
-        subprocess.Popen(
-            [sys.executable, "-m", "zerocopy_pickle.cache", "serve"],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            start_new_session=True,
-            cwd=directory,
-            env=child_environment(env, cleaned=False),
-        )
+    log = _spawn_server(reap=True)
     if wait <= 0:
         return
     deadline = time.monotonic() + wait
@@ -721,6 +807,42 @@ def start_server_in_background(wait: float = 10.0) -> None:
         except CacheError:
             time.sleep(0.05)
     raise CacheError(f"the cache server did not start within {wait:.0f} s (see {log})")
+
+
+def _claim_spawn(wait: float = 0.0) -> bool:
+    """Whether this process is to start a server now (not when it started one without waiting for it less than
+    ``FILL_WAIT`` seconds ago: that one is still coming up); records the start."""
+    if wait <= 0 and _spawned and time.monotonic() - _spawned[-1] < FILL_WAIT:
+        return False
+    _spawned[:] = [time.monotonic()]
+    return True
+
+
+def _spawn_server(*, reap: bool) -> Path:
+    """Start ``zerocopy-pickle serve`` in its own session; return its log's path. ``reap``: a daemon thread of
+    this process waits for it (a filing child, which ends with ``os._exit``, leaves it to init instead)."""
+    directory = runtime_dir()
+    log = directory / "server.log"
+    env = dict(os.environ)
+    with contextlib.suppress(OSError):  # relative paths of requests resolve here, as if it ran here
+        env[WORKDIR_ENV] = os.getcwd()
+    with open(log, "ab") as out:
+        # Started in the private runtime directory, not here: Python puts its start directory first on sys.path,
+        # and this one may hold anybody's modules (see isolation.py).
+        process = subprocess.Popen(
+            [sys.executable, "-m", "zerocopy_pickle.cache", "serve"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            cwd=directory,
+            env=child_environment(env, cleaned=False),
+        )
+    if reap:
+        threading.Thread(target=_reap_server, args=(process,), name="zerocopy_pickle-server-reap", daemon=True).start()
+    else:  # a filing child: held until its os._exit (a collected running Popen warns), then init's to reap
+        _UNREAPED.append(process)
+    return log
 
 
 def cached_call(
@@ -741,17 +863,23 @@ def cached_call(
         return original(*args, **kwargs)
     _state.depth = 1
     try:
+        _filer.report()  # what earlier filings found they could not capture
         try:
             request = describe(point, cls, args, kwargs)
         except Uncacheable as e:
             _warn_once(f"uncacheable:{point}", str(e))
             return original(*args, **kwargs)
         fill = os.environ.get(FILL_ENV, "caller") != "server"
+        if request["key"] in _UNCAPTURABLE:  # said once already; nothing to capture, nothing to ask
+            return original(*args, **request["kwargs"])
         try:
             result = _fetch(request, args, kwargs, autostart=autostart, fill=fill)
         except CacheError as e:
             _warn_once(f"error:{type(e).__name__}", str(e))
             return original(*args, **kwargs)
+        if isinstance(result, Miss) and result.uncacheable is not None:  # a process found it cannot be captured
+            _warn_uncapturable(request["get"], result.uncacheable)
+            return original(*args, **request["kwargs"])
         if isinstance(result, Miss):  # load it here, as without the cache; the server gets it afterwards
             log.info("cache miss: %s (loading it here, then filing it)", request["get"].describe)
             # With MISS_PREFETCH_ENV, the checkpoints the call will read come in from the disk while the library
@@ -761,7 +889,7 @@ def cached_call(
                 value = original(*args, **request["kwargs"])
             finally:
                 checkpoints.stop(reading)
-            _file(request, value, args, kwargs, files=result.files)
+            _file(request, value, args, kwargs, files=result.files, start=result is _NO_SERVER)
             return value
         log.info("cache hit: %s", request["get"].describe)
         register_result(result, request["key"])
@@ -787,16 +915,89 @@ def _checkpoints_of(request: dict[str, Any]) -> list[str]:
     return checkpoints.likely_read(((c.path, c.size) for c in checks), variant if isinstance(variant, str) else None)
 
 
-def _file(request: dict[str, Any], value: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, files: bool) -> None:
+def _file(
+    request: dict[str, Any],
+    value: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    files: bool,
+    start: bool = False,
+) -> None:
     """File what the caller just loaded as the call's entry, as it is now (changes the caller makes to it later
-    stay out of the entry), without making the caller wait (see :class:`_Filer`)."""
+    stay out of the entry), without making the caller wait (see :class:`_Filer`). ``start``: no server answered
+    the call; one is started now (by the filing child where it forks), after the load, which a starting server
+    (a Python importing the package, on another core or on this one) would have slowed."""
     refs = request["ref_objects"] + entries.argument_slots(args, kwargs)
+    start = start and _claim_spawn()
+    if start and not _fork_is_safe():
+        start = False
+        with contextlib.suppress(Exception):
+            _spawn_server(reap=True)
     try:
-        _filer.file(request, value, refs, files=files)
+        _filer.file(request, value, refs, files=files, start=start)
     except Exception as e:  # the caller has its result; only the cache goes without
-        _warn_once(f"capture:{type(e).__name__}", f"a result cannot be cached ({type(e).__name__}: {e})", "")
+        if not _is_uncapturable(e):
+            _warn_once(f"capture:{type(e).__name__}", f"a result cannot be cached ({type(e).__name__}: {e})", "")
+            return
+        reason = _uncapturable_reason(value, refs, e)
+        _warn_uncapturable(request["get"], reason)
+        _report_uncapturable(request["get"], reason)  # one round trip (rare: where a result cannot be captured)
         return
     register_result(value, request["key"])
+
+
+def _is_uncapturable(error: BaseException) -> bool:
+    """Whether a capture failed because of what the result is (it cannot be pickled), so that trying again would
+    fail again, rather than for want of a resource (memory, a file descriptor, a memfd)."""
+    return isinstance(error, Exception) and not isinstance(error, (OSError, MemoryError, CacheError))
+
+
+def _uncapturable_reason(value: Any, refs: Sequence[object], error: BaseException) -> str:
+    """Why ``value`` cannot be captured: the error, and where in its graph the object that cannot be pickled
+    sits (``result.transformer.h[1].attn.lock``), where that can be found."""
+    reason = f"{type(error).__name__}: {error}"
+
+    def try_dump(candidate: object) -> BaseException | None:
+        try:
+            entries.pickle_with_refs(candidate, refs, in_band=False)
+        except Exception as e:
+            return e
+        return None
+
+    try:
+        failure = locate.locate_failure(value, try_dump, root_name="result")
+    except Exception:  # the search itself failed: the error stands without a path
+        failure = None
+    if failure is not None and failure.path != "result":
+        what = getattr(failure.obj, "__qualname__", None) or type(failure.obj).__qualname__
+        reason += f" (the {what} at {failure.path})"
+    return reason
+
+
+_UNCAPTURABLE: set[str] = set()
+"""Keys whose results this process found (or the server said) cannot be captured: loaded directly from then on
+(a changed file is another key)."""
+
+
+def _warn_uncapturable(get: Get, reason: str) -> None:
+    _UNCAPTURABLE.add(get.key)
+    _warn_once(
+        f"uncapturable:{get.key}",
+        f"{get.describe or 'a call'} is not cached: its result cannot be captured ({reason}); it is loaded here, "
+        "without the cache, until the files it was loaded from change",
+        "",
+    )
+
+
+def _report_uncapturable(get: Get, reason: str) -> None:
+    """Tell the server that ``get``'s result cannot be captured (it remembers it while the call's files stay the
+    same, and answers the next process's miss with it: no process captures it again). Never raises."""
+    try:
+        with Client(timeout=HIT_TIMEOUT) as client:
+            client.request(Uncapturable(get, reason))
+    except CacheError as e:
+        log.warning("could not tell the cache server that %s cannot be captured (%s)", get.describe or "a call", e)
 
 
 def _fetch(
@@ -809,9 +1010,8 @@ def _fetch(
     except CacheError:
         if not autostart:
             raise
-        if fill:
-            start_server_in_background(wait=0)
-            return Miss(True)
+        if fill:  # started after the call returns (see _file): a server's start would compete with the load
+            return _NO_SERVER
         start_server_in_background()
         client = Client()
     get = dataclasses.replace(request["get"], fill=fill)

@@ -51,6 +51,7 @@ __all__ = [
     "StatusReply",
     "StatusRequest",
     "Stop",
+    "Uncapturable",
     "decode_buffer_table",
     "decode_file_checks",
     "decode_plugins",
@@ -321,8 +322,35 @@ class Put:
         return cls(Get.decode(request), JobResult.decode(result, fds), args_nbytes)
 
 
-_REQUESTS: dict[str, Any] = {c.OP: c for c in (Ping, StatusRequest, Clear, Stop, Get, Put)}
-Request = Ping | Get | Put
+MAX_REASON = 4000
+"""Characters of an :class:`Uncapturable`'s reason the server keeps (the rest is cut)."""
+
+
+@dataclass(frozen=True)
+class Uncapturable:
+    """A client's report that the result of a call that missed cannot be captured (pickled) as an entry: the call
+    as its :class:`Get` named it (the key, and the files the key was computed from) and why. The server remembers
+    it, and answers later misses of the key with :class:`Miss` ``uncacheable`` while those files are what they
+    were, so no other process tries (forks, captures) again."""
+
+    OP: ClassVar[str] = "uncapturable"
+    request: Get
+    reason: str
+
+    def encode(self) -> dict[str, Any]:
+        return {"op": self.OP, "request": self.request.encode(), "reason": self.reason[:MAX_REASON]}
+
+    @classmethod
+    def decode(cls, header: dict[str, Any]) -> Uncapturable:
+        what = "an uncapturable report"
+        request = header.get("request")
+        if not isinstance(request, dict):
+            raise ProtocolError(f"{what}: 'request' is not an object")
+        return cls(Get.decode(request), _field(header, "reason", str, what)[:MAX_REASON])
+
+
+_REQUESTS: dict[str, Any] = {c.OP: c for c in (Ping, StatusRequest, Clear, Stop, Get, Put, Uncapturable)}
+Request = Ping | Get | Put | Uncapturable
 
 
 def request_limits(header: dict[str, Any]) -> Limits:
@@ -454,16 +482,19 @@ class EntryReply:
 class Miss:
     """The answer to a ``get`` with ``fill`` that missed: the client loads the call itself. ``files``: whether
     the server keeps entries' untouched checkpoint views as references to the files (else it wants every byte
-    in a memfd: ``serve --copy-files``)."""
+    in a memfd: ``serve --copy-files``). ``uncacheable``: why a process found the call's result could not be
+    captured (:class:`Uncapturable`), its files unchanged since: the client loads it and files nothing."""
 
     files: bool = True
+    uncacheable: str | None = None
 
     def encode(self) -> dict[str, Any]:
-        return {"ok": True, "miss": True, "files": self.files}
+        return {"ok": True, "miss": True, "files": self.files, "uncacheable": self.uncacheable}
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Miss:
-        return cls(header.get("files", True) is True)
+        reason = header.get("uncacheable")
+        return cls(header.get("files", True) is True, reason[:MAX_REASON] if isinstance(reason, str) else None)
 
 
 Reply = Failure | Pong | Done | Cleared | StatusReply | EntryReply | Miss

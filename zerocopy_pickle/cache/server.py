@@ -52,6 +52,7 @@ from .messages import (
     StatusReply,
     StatusRequest,
     Stop,
+    Uncapturable,
     decode_request,
     request_limits,
 )
@@ -308,6 +309,9 @@ class Server:
             try:
                 if isinstance(request, Put):
                     self._put(conn, request, payload, fds)  # takes the fds
+                elif isinstance(request, Uncapturable):
+                    self.store.mark_uncacheable(request.request, request.reason)
+                    send(conn, Done().encode())
                 else:
                     self._dispatch(conn, request, payload)
             except (BrokenPipeError, ConnectionResetError):
@@ -344,7 +348,8 @@ class Server:
         entry = self.store.get(key)
         hit = entry is not None
         if entry is None and request.fill:  # the client loads it itself, now, and sends it (a put)
-            send(conn, Miss(self.file_segments).encode())
+            # unless a process found its result cannot be captured, and the files it depends on are the same
+            send(conn, Miss(self.file_segments, self.store.uncacheable(key)).encode())
             return
         if entry is None:
             entry = self._load(key, request, payload)

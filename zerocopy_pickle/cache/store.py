@@ -48,7 +48,15 @@ from typing import Any
 
 from .. import arena, readahead
 from ..format import align_up, padded_pieces, place_buffers
-from .messages import BufferRow, FileCheck, decode_buffer_table, decode_file_checks, decode_plugins, encode_buffer_table
+from .messages import (
+    BufferRow,
+    FileCheck,
+    Get,
+    decode_buffer_table,
+    decode_file_checks,
+    decode_plugins,
+    encode_buffer_table,
+)
 from .protocol import CacheError, ProtocolError, open_private_directory, runtime_dir
 
 __all__ = ["KEY_FILE", "Entry", "Segment", "Store", "persistence_key"]
@@ -59,6 +67,9 @@ _INDEX_VERSION = 4  # 3: typed buffer rows and the plugins entries need; 4: the 
 KEY_FILE = "persist.key"
 """The persistence key's name in the runtime directory: 32 random bytes, mode 0600, one per user."""
 _KEY_BYTES = 32
+MAX_UNCACHEABLE = 4096
+"""Calls the store remembers as uncacheable (the least recently asked for are forgotten first: they are tried
+again)."""
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +187,9 @@ class Store:
         self.misses = 0
         self.evictions = 0
         self.stale = 0
+        # Calls whose results a client could not capture: key -> (call, reason, the files its key was computed
+        # from, how many times it was reported), oldest first, at most MAX_UNCACHEABLE.
+        self._uncacheable: OrderedDict[str, tuple[str, str, list[FileCheck], int]] = OrderedDict()
         self._next_segment = 1
         self._moved: dict[tuple[int, int], tuple[int, int]] = {}  # (segment, offset) -> where compaction put it
         self._dir_fd = -1
@@ -210,6 +224,29 @@ class Store:
             entry.hits += 1
             self.hits += 1
             return entry
+
+    def mark_uncacheable(self, request: Get, reason: str) -> None:
+        """Remember that the result of ``request``'s call cannot be captured (a client reported why), while the
+        files its key was computed from stay what they were: :meth:`uncacheable` answers for it until then."""
+        with self.lock:
+            known = self._uncacheable.pop(request.key, None)
+            count = known[3] + 1 if known is not None else 1
+            self._uncacheable[request.key] = (request.describe or request.key, reason, list(request.files), count)
+            while len(self._uncacheable) > MAX_UNCACHEABLE:
+                self._uncacheable.popitem(last=False)
+
+    def uncacheable(self, key: str) -> str | None:
+        """Why the result of ``key``'s call cannot be captured, if a client reported it and the files its key was
+        computed from are unchanged since (a changed file forgets the report: the next miss tries again)."""
+        with self.lock:
+            known = self._uncacheable.get(key)
+            if known is None:
+                return None
+            if _files_changed(known[2]):
+                del self._uncacheable[key]
+                return None
+            self._uncacheable.move_to_end(key)
+            return known[1]
 
     def peek(self, key: str) -> Entry | None:
         with self.lock:
@@ -441,6 +478,7 @@ class Store:
             for entry in self.entries.values():
                 self._release(entry)
             self.entries.clear()
+            self._uncacheable.clear()
             self._collect_unused()
             self._save_index()
             return count
@@ -483,6 +521,10 @@ class Store:
                 "misses": self.misses,
                 "evictions": self.evictions,
                 "stale": self.stale,
+                "uncacheable": [
+                    {"key": key, "call": call, "reason": reason, "reports": reports}
+                    for key, (call, reason, _, reports) in self._uncacheable.items()
+                ],
                 "persist": str(self.persist) if self.persist else None,
                 "persist_cold_start": self.cold_start,
             }
