@@ -225,3 +225,32 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     real = devices._require
     monkeypatch.setattr(devices, "_require", lambda d, hint: None if d.type == "cuda" else real(d, hint))
     return made
+
+
+@pytest.fixture
+def restore_logging_and_environment() -> Iterator[None]:
+    """The CLI's main() configures the zerocopy_pickle logger and sets variables for child processes, as a command
+    line does; undo both so that other tests see the library's defaults (``pytestmark`` of the CLI tests)."""
+    import logging
+
+    logger = logging.getLogger("zerocopy_pickle")
+    level, handlers, environ = logger.level, list(logger.handlers), dict(os.environ)
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+    for key in set(os.environ) - set(environ):
+        del os.environ[key]
+
+
+@pytest.fixture
+def alias_module() -> Iterator[None]:
+    """test_hostile's harmless-looking module that re-exports os.system (its payload names it)."""
+    import types
+
+    from . import test_hostile
+
+    module = types.ModuleType(test_hostile.ALIAS_MODULE)
+    module.run = os.system  # type: ignore[attr-defined]
+    sys.modules[test_hostile.ALIAS_MODULE] = module
+    yield
+    del sys.modules[test_hostile.ALIAS_MODULE]

@@ -11,7 +11,6 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,17 +33,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([script, *args], capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging_and_environment() -> Iterator[None]:
-    """main() configures the zerocopy_pickle logger and sets variables for child processes, as a command line
-    does; undo both so that other tests see the library's defaults."""
-    logger = logging.getLogger("zerocopy_pickle")
-    level, handlers, environ = logger.level, list(logger.handlers), dict(os.environ)
-    yield
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
-    for key in set(os.environ) - set(environ):
-        del os.environ[key]
+pytestmark = pytest.mark.usefixtures("restore_logging_and_environment")
 
 
 @pytest.fixture

@@ -5,13 +5,11 @@ the user's path."""
 from __future__ import annotations
 
 import io
-import logging
 import os
 import shlex
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,16 +24,7 @@ from zerocopy_pickle.errors import SnapshotError
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.:DeprecationWarning")  # the fixture's TorchScript archive
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging_and_environment() -> Iterator[None]:
-    """main() configures the zerocopy_pickle logger and sets variables for child processes: undo both."""
-    logger = logging.getLogger("zerocopy_pickle")
-    level, handlers, environ = logger.level, list(logger.handlers), dict(os.environ)
-    yield
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
-    for key in set(os.environ) - set(environ):
-        del os.environ[key]
+pytestmark = pytest.mark.usefixtures("restore_logging_and_environment")
 
 
 @pytest.fixture

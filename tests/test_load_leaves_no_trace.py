@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import sys
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,16 +36,6 @@ CASES: dict[str, Callable[[Path], bytes]] = {
     **{f"attacks:{name}": maker for name, maker in CORPUS.items()},
     **{f"hostile:{name}": (lambda path, name=name: _hostile(name, path)) for name in test_hostile.PAYLOADS},
 }
-
-
-@pytest.fixture
-def alias_module() -> Iterator[None]:
-    """test_hostile's harmless-looking module that re-exports os.system (its payload names it)."""
-    module = types.ModuleType(test_hostile.ALIAS_MODULE)
-    module.run = __import__("os").system  # type: ignore[attr-defined]
-    sys.modules[test_hostile.ALIAS_MODULE] = module
-    yield
-    del sys.modules[test_hostile.ALIAS_MODULE]
 
 
 def load_both_ways(data: bytes, tmp_path: Path) -> None:

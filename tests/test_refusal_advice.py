@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import collections
 import re
-import sys
-import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,6 @@ import zerocopy_pickle as zp
 from zerocopy_pickle.restricted import spell_allow
 
 from . import refusal_models as rm
-from . import test_hostile
 from .test_load_leaves_no_trace import CASES as HOSTILE
 
 
@@ -163,15 +160,6 @@ def test_trusted_only_refusals_say_why_in_the_first_message(name: str, why: str 
     if why is None:  # numpy values: restricted-loadable or trusted-only, never a dead end (checked by follow)
         return
     assert refusal is not None and refusal.trusted_only and why in str(refusal), refusal
-
-
-@pytest.fixture
-def alias_module() -> Iterator[None]:
-    module = types.ModuleType(test_hostile.ALIAS_MODULE)
-    module.run = __import__("os").system  # type: ignore[attr-defined]
-    sys.modules[test_hostile.ALIAS_MODULE] = module
-    yield
-    del sys.modules[test_hostile.ALIAS_MODULE]
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
