@@ -120,6 +120,8 @@ def _status(args: argparse.Namespace) -> int:
             f"  {printable(str(entry['key'])[:12])}  {human(entry['nbytes']):>10}  hits {entry['hits']:>5}  "
             f"{printable(str(entry['call']))}"
         )
+    for row in info.get("uncacheable", []):  # calls whose results a client could not capture: loaded directly
+        print(f"  uncacheable: {printable(str(row['call']))}: {printable(str(row['reason']))}")
     return 0
 
 

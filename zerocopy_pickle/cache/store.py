@@ -70,6 +70,8 @@ _KEY_BYTES = 32
 MAX_UNCACHEABLE = 4096
 """Calls the store remembers as uncacheable (the least recently asked for are forgotten first: they are tried
 again)."""
+MAX_UNCACHEABLE_FILES = 65_536
+"""File checks the store keeps for them in all (a peer's reports bound what they make the server hold)."""
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +234,10 @@ class Store:
             known = self._uncacheable.pop(request.key, None)
             count = known[3] + 1 if known is not None else 1
             self._uncacheable[request.key] = (request.describe or request.key, reason, list(request.files), count)
-            while len(self._uncacheable) > MAX_UNCACHEABLE:
+            while len(self._uncacheable) > MAX_UNCACHEABLE or (
+                len(self._uncacheable) > 1
+                and sum(len(row[2]) for row in self._uncacheable.values()) > MAX_UNCACHEABLE_FILES
+            ):
                 self._uncacheable.popitem(last=False)
 
     def uncacheable(self, key: str) -> str | None:
