@@ -255,3 +255,20 @@ def test_the_copy_covers_a_model_nested_in_a_container(tmp_path: Path) -> None:
 def test_offloaded_takes_copy_or_refuse(bad: object) -> None:
     with pytest.raises(ArgumentError, match="offloaded must be 'copy' or 'refuse'"):
         zp.dumps(torch.ones(2), offloaded=bad)  # type: ignore[arg-type]
+
+
+def test_a_cache_entry_copies_disk_offloaded_weights_too(tmp_path: Path) -> None:
+    """The model cache pickles its entries with its own pickler: it applies the same copy, so an entry of a
+    disk-offloaded model does not read the folder either."""
+    from zerocopy_pickle.cache.entries import pickle_with_refs
+    from zerocopy_pickle.loadcore import load_stream
+
+    m = model()
+    folder = tmp_path / "offload"
+    accelerate.disk_offload(m, folder, execution_device="cpu")
+    pickled = pickle_with_refs(m, [], in_band=True)
+    shutil.move(folder, folder.with_name("offload.moved"))
+    loaded = load_stream(pickled.stream, [], trusted=True)
+    assert all(loader.index == {} and loader.save_folder is None for loader in loaders(loaded))
+    with torch.no_grad():
+        assert torch.equal(loaded(inputs()), expected())

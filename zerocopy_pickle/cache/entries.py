@@ -30,6 +30,7 @@ from ..format import BufferSpec, PluginRef, padded_pieces, place_buffers
 from ..integrity import checksum
 from ..loadcore import argument, load_stream
 from ..pickler import ZeroCopyPickler
+from ..preparation import dump_reductions
 from . import filebacked
 from .filebacked import FileRange
 from .messages import BufferRow, JobResult
@@ -150,6 +151,9 @@ def pickle_with_refs(obj: Any, refs: Sequence[object], *, in_band: bool) -> Pick
             return False
 
     pickler = RefPickler(out, refs, buffer_callback=callback, by_value=by_value())
+    # accelerate's disk-offloaded weights read into the entry, as zerocopy_pickle.dump does (offloaded="copy"):
+    # an entry that reads a folder breaks when the folder moves
+    pickler.dispatch_table.update(dump_reductions("copy"))
     pickler.dump(obj)
     pickler.clear_memo()
     return Pickled(out.getvalue(), views, pickler.buffer_specs, plugin_list(pickler.plugins_used))
