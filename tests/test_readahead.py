@@ -17,7 +17,7 @@ import torch
 
 import zerocopy_pickle as zp
 from tests.test_transfer import evict
-from tests.test_transfer_cold import delta, fake_cuda, stats  # noqa: F401 (fake_cuda: a fixture)
+from tests.test_transfer_cold import delta, stats
 from zerocopy_pickle import readahead
 from zerocopy_pickle.errors import ArgumentError, RestrictedLoadError
 
@@ -434,7 +434,7 @@ def test_a_fork_child_sees_its_parents_prefetches_as_ended(tmp_path: Path, monke
 
 def test_a_load_to_a_device_reads_the_cold_file_itself_and_prefetches_nothing(
     snapshot: tuple[Path, dict[str, torch.Tensor]],
-    fake_cuda: list[object],  # noqa: F811 (the fixture imported above)
+    fake_cuda: list[object],
 ) -> None:
     path, sd = snapshot
     start, stop = data_range(path)
