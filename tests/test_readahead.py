@@ -357,13 +357,13 @@ def test_a_refused_load_cancels_its_prefetch(tmp_path: Path) -> None:
     finally:
         readahead_start.undo()
     # The refusal comes from the unpickler's admission, once the buffers are sliced: the prefetch started there
-    # is cancelled by the failed load and reads at most one read's worth per stream.
+    # is cancelled by the failed load and stops before it has read the file.
     for job in started:
         if job is not None:
             assert job.cancelled
             assert job.wait(timeout=60)
-            assert job.read <= job.streams * readahead.READ_NBYTES
-    assert cached(path, start, stop) < 8 * MIB + len(started) * 4 * readahead.READ_NBYTES
+            assert job.read < job.nbytes, job  # stopped before the end (how far it got first is a race)
+    assert cached(path, start, stop) < stop - start
 
 
 def test_the_loaded_tensors_stay_views_of_the_shared_page_cache(snapshot: tuple[Path, dict[str, torch.Tensor]]) -> None:

@@ -38,6 +38,7 @@ Not in, and why (none of them imports next to torch 2.13.0+cpu without a build t
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -230,8 +231,12 @@ class Case:
     zero_copy: bool = True  # its first parameter is a view into the snapshot (checked in a Shared's worker)
 
 
+KERNELS = "kernels._internals" if importlib.util.find_spec("kernels") else None
+
 CASES = {
-    "transformers-llama": Case(_llama, _logits),
+    # With the `kernels` package installed, transformers gives LLaMA's layers hub-kernel forwards, which pickle
+    # as kernels' own rebuild plus BUILD: only a trusted load rebuilds them.
+    "transformers-llama": Case(_llama, _logits, trusted_only=KERNELS),
     "transformers-gpt2": Case(_gpt2, _logits),
     "transformers-bert": Case(_bert, _hidden),  # GELUActivation's F.gelu: torch._C._nn:gelu, a safe value
     "transformers-wav2vec2": Case(_wav2vec2, _audio_hidden),

@@ -31,7 +31,7 @@ from typing import IO, Any, Union
 
 import torch
 
-from . import arena, console, format, integrity, loadcore, locate, progress, readahead, remote, sources
+from . import arena, format, integrity, loadcore, locate, progress, readahead, remote, sources
 from ._version import __version__
 from .device import MapLocation, is_cpu, static_target
 from .errors import ArgumentError, DumpError, SnapshotError, TrustedOnlyWarning, Unpicklable, ZeroCopyPickleError
@@ -473,9 +473,11 @@ def _warn_if_trusted_only(obj: object, prepared: _Prepared, registry: Registry |
     objects, count = prepared.by_value
     if not count:
         return
+    from .console import printable  # here, not at import: importing the library imports no console code
+
     paths = locate.paths_to(obj, objects, reduce=_reducer_as_pickler(registry))
     shown = "; ".join(
-        f"{console.printable(paths.get(id(o), 'somewhere in the graph'))} = {_describe_by_value(o)}" for o in objects
+        f"{printable(paths.get(id(o), 'somewhere in the graph'))} = {_describe_by_value(o)}" for o in objects
     )
     more = f" (and {count - len(objects)} more)" if count > len(objects) else ""
     warnings.warn(
@@ -491,7 +493,9 @@ def _warn_if_trusted_only(obj: object, prepared: _Prepared, registry: Registry |
 def _describe_by_value(obj: object) -> str:
     kind = "class" if isinstance(obj, type) else "function"
     name = f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
-    return f"{kind} {console.printable(name)[:120]}"
+    from .console import printable
+
+    return f"{kind} {printable(name)[:120]}"
 
 
 def freeze(
