@@ -519,7 +519,7 @@ class AllowList:
         unknown: list[tuple[str, str]] = []
         blocked: list[tuple[str, str]] = []
         reasons: list[str] = []
-        by_value = sorted({m for m, _ in uses.globals if m.split(".")[0] in ("cloudpickle", "dill")})
+        by_value = sorted({m for m, _ in uses.globals if _by_value_module(m)})
         if by_value:
             reasons.append(f"it holds code pickled by value ({', '.join(by_value)}), and loading it runs that code")
         for pair in uses.globals:
@@ -527,7 +527,7 @@ class AllowList:
             called, made = pair in uses.called, pair in uses.instantiated
             ops = uses.mutated.get(pair, frozenset())
             fills = ", ".join(sorted(_OPCODE_NAMES[op] for op in ops))
-            if pair[0].split(".")[0] in ("cloudpickle", "dill"):
+            if _by_value_module(pair[0]):
                 continue
             safe = self._safe.get(pair)
             if safe is not None or pair == _STORAGE_PAIR:
@@ -613,6 +613,11 @@ class Advice(NamedTuple):
     unknown: tuple[tuple[str, str], ...]
     blocked: tuple[tuple[str, str], ...]
     trusted_only: tuple[str, ...]
+
+
+def _by_value_module(module: str) -> bool:
+    """Whether a global's module is one whose functions rebuild code pickled by value (cloudpickle, dill)."""
+    return module.partition(".")[0] in ("cloudpickle", "dill")
 
 
 def spell_allow(entries: Iterable[str | AllowFunction]) -> str:
@@ -801,7 +806,7 @@ def stream_uses(stream: bytes) -> StreamUses:
             named = walk_stream(stream, collect_globals=True).globals
         except SnapshotError:
             raise e from None
-        by_value = sorted({m for m, _ in named if m.split(".")[0] in ("cloudpickle", "dill")})
+        by_value = sorted({m for m, _ in named if _by_value_module(m)})
         if not by_value:
             raise
         raise RestrictedLoadError(
