@@ -4,10 +4,12 @@ directory, keys, and what the server and the zygote import. The end-to-end behav
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import json
 import mmap
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
@@ -190,6 +192,28 @@ def test_key_follows_file_changes(tmp_path: Path) -> None:
     assert describe(point, None, (str(checkpoint),), {"mmap": True})["key"] != first
 
 
+def test_key_follows_the_loaders_library_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader's version is its imported package's ``__version__`` (no metadata parse on the caller's path),
+    else its distribution's."""
+    import types
+
+    fake = types.ModuleType("zcp_fake_loader")
+    fake.__version__ = "1.0"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "zcp_fake_loader", fake)
+    client._library_version.cache_clear()
+    point = "zcp_fake_loader.models:load"
+    first = describe(point, None, ("x",), {})["key"]
+    fake.__version__ = "2.0"  # type: ignore[attr-defined]
+    client._library_version.cache_clear()  # a process sees one version: looked up once
+    assert describe(point, None, ("x",), {})["key"] != first
+    assert client._library_version("zcp_fake_loader.models") == "2.0"
+    del fake.__version__
+    client._library_version.cache_clear()
+    assert client._library_version("zcp_fake_loader") == "?"  # no distribution either
+    assert client._library_version("pytest") == importlib.metadata.version("pytest")
+    client._library_version.cache_clear()
+
+
 def test_symlinked_subfolders_are_followed_and_cycles_are_not(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     for name, data in (("vae-a", b"aaaa"), ("vae-b", b"bbbb")):
@@ -344,6 +368,40 @@ def test_file_ranges_find_untouched_views_of_a_file(tmp_path: Path) -> None:
         for fd in fds:
             os.close(fd)
         del untouched, unfaulted, written, view
+        memory.close()
+
+
+def test_read_maps_with_addresses_keeps_exactly_the_file_mappings_holding_one(tmp_path: Path) -> None:
+    text = "\n".join(
+        [
+            "1000-3000 r--p 00000000 08:01 11 /lib/a.so",
+            "3000-5000 rw-p 00002000 08:01 11 /lib/a.so",
+            "5000-6000 rw-p 00000000 00:00 0 ",  # anonymous
+            "6000-9000 r--p 00001000 08:02 12 /data/w.safetensors",
+            "9000-a000 r--p 00000000 08:02 13 /data/gone.bin (deleted)",
+            "a000-b000 rw-p 00000000 00:00 0 [heap]",
+        ]
+    )
+    everything = filebacked.read_maps(text)
+    assert [m.path for m in everything] == ["/lib/a.so", "/lib/a.so", "/data/w.safetensors"]
+    # 0x1000 is the first byte of a mapping, 0x5fff anonymous memory, 0x8fff the last byte of a mapping, 0x9000 a
+    # deleted file's, 0xb000 past every mapping.
+    found = filebacked.read_maps(text, addresses=[0x1000, 0x5FFF, 0x8FFF, 0x9000, 0xB000])
+    assert found == [everything[0], everything[2]]
+    assert filebacked.read_maps(text, addresses=[]) == []
+    # This process's own maps: the filter finds a file mapping's view as the full parse does.
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"w" * 2 * PAGE)
+    with open(path, "rb") as f:
+        memory = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    view = memoryview(memory)
+    try:
+        address = arena.buffer_address(view[PAGE:])
+        assert address is not None
+        (mapping,) = filebacked.read_maps(addresses=[address])
+        assert mapping.path == str(path) and mapping in filebacked.read_maps()
+    finally:
+        view.release()
         memory.close()
 
 
