@@ -16,6 +16,7 @@ the result then never holds the caller's own storages).
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import contextlib
 import dataclasses
@@ -614,7 +615,9 @@ class _Filer:
         os.set_blocking(report_read, False)
         self._reports[report_read] = (put.request, bytearray())
         try:
-            threading.Thread(target=_reap, args=(pid,), name="zerocopy_pickle-reap", daemon=True).start()
+            # Not threading.Thread: its start() waits until the new thread has run, which on a busy machine (the
+            # child just forked competes for the cores too) kept the caller 2-7 ms.
+            _thread.start_new_thread(_reap, (pid,))
         except BaseException:
             _gc_freeze.child_gone()  # no reaper to thaw the heap later: thaw it now
             raise
@@ -703,6 +706,8 @@ def _detach_stdio() -> None:
 
 
 def _reap(pid: int) -> None:
+    """Wait for a filing child (a thread of its own, like a daemon thread: never joined at exit), then let the
+    heap thaw if it was the last."""
     try:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
