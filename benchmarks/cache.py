@@ -23,6 +23,10 @@ call of the day, where ``patch_all()`` starts a server; that server is stopped a
 a variant then share one fresh server, started and ready (zygote imported) before the first run: that first run
 is the miss, the others are hits.
 
+The ``small`` variant loads three models of about 1 MB each, float32 as saved (built here, ``build_small``): a
+LLaMA (``LlamaForCausalLM``), a GPT-2 and a VAE (``AutoencoderKL``), where a cache's fixed cost per call shows.
+``--busy`` runs everything beside a CPU-bound neighbour process (``python -c 'while True: pass'``).
+
 With ``--overmind PYTHON`` (the Python of a virtualenv where Overmind 1.1.2 is installed, or that venv's folder;
 ``/work/shared/anchors/overmind/install.sh`` builds one), Overmind runs the same steps in the same kind of fresh
 processes (``benchmarks/overmind_runner.py``): once with no server running (its client starts
@@ -45,18 +49,39 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from cache_miss import neighbour
 from overmind_runner import Overmind, OvermindUnavailable
 
-from zerocopy_pickle.cache.scenario import STEPS, measure, print_table
+from zerocopy_pickle.cache.scenario import SMALL_STEPS, STEPS, measure, print_table
 from zerocopy_pickle.demo import build_controlnet_pipeline
 
 Results = dict[str, list[dict[str, Any]]]
-OVERMIND_VARIANTS = ("vae", "wrapper")  # see the docstring: Overmind never answers the remote-code call
+VARIANTS = ("vae", "wrapper", "remote", "small")
+OVERMIND_VARIANTS = ("vae", "wrapper", "small")  # see the docstring: Overmind never answers the remote-code call
 
 
 def _paths(root: Path) -> dict[str, str]:
     return {"pipeline": str(root / "pipeline"), "edge": str(root / "controlnet-edge"),
-            "depth": str(root / "controlnet-depth"), "remote": str(root / "remote-model")}  # fmt: skip
+            "depth": str(root / "controlnet-depth"), "remote": str(root / "remote-model"),
+            **{step: str(root / "small" / step) for step in SMALL_STEPS}}  # fmt: skip
+
+
+def build_small(root: Path) -> None:
+    """The small variant's models (float32, about 1 MB each, random weights): a LLaMA and a GPT-2 of two layers,
+    a VAE of two blocks."""
+    import torch
+    from diffusers import AutoencoderKL
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=2, vocab_size=1000)  # fmt: skip
+    LlamaForCausalLM(llama).save_pretrained(root / "small" / "llama")
+    gpt2 = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, bos_token_id=0, eos_token_id=1)
+    GPT2LMHeadModel(gpt2).save_pretrained(root / "small" / "gpt2")
+    AutoencoderKL(block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+                  up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=32,
+                  ).save_pretrained(root / "small" / "small-vae")  # fmt: skip
 
 
 def _median(runs: list[dict[str, Any]], column: str) -> float:
@@ -86,7 +111,7 @@ def measure_overmind(overmind: Overmind, paths: dict[str, str], *, runs: int, va
 def summary(results: Results, notes: list[str]) -> None:
     """Per variant: warm medians of plain, this cache and Overmind side by side, the first calls, the ratios."""
     print("\n  against the targets (warm: median of every plain run, of the runs after the first otherwise)")
-    for variant in ("vae", "wrapper", "remote"):
+    for variant in VARIANTS:
         plain, cached = results.get(f"plain/{variant}"), results.get(f"cache/{variant}")
         if not plain or not cached:
             continue
@@ -168,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", help="build the models into this folder once and reuse them (default: a temp dir)")
     parser.add_argument("--runs", type=int, default=3, help="runs per variant and mode (default 3)")
-    parser.add_argument("--variants", default="vae,wrapper,remote", help="comma-separated: vae, wrapper, remote")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated: {', '.join(VARIANTS)}")
+    parser.add_argument("--busy", action="store_true", help="run everything beside a CPU-bound neighbour process")
     parser.add_argument("--size", choices=("sd15", "tiny"), default="sd15", help="the pipeline (tiny: a quick check)")
     parser.add_argument("--overmind", metavar="PYTHON", help="also run Overmind with this Python (or venv folder)")
     parser.add_argument("--json", help="also write the raw per-run figures here")
@@ -185,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         results, notes = run(args, variants, dtype)
     print_table(results)
     summary(results, notes)
-    print(f"\n  steps: {', '.join(STEPS)}; touch: one byte of every 4 KiB page of every weight; total = load + touch")
+    print(f"\n  {'beside a CPU-bound neighbour process' if args.busy else 'idle (no neighbour process)'}")
+    print(f"  steps: {', '.join(STEPS)} (small: {', '.join(SMALL_STEPS)}); touch: one byte of every 4 KiB page of "
+          "every weight; total = load + touch")  # fmt: skip
     if args.json and not args.from_json:
         Path(args.json).write_text(json.dumps({"notes": notes, "runs": results}, indent=1))
     if args.plot:
@@ -210,28 +238,31 @@ def run(args: argparse.Namespace, variants: tuple[str, ...], dtype: str) -> tupl
                 notes.append("Overmind: remote variant not run (its server never answers a trust_remote_code load)")
     with tempfile.TemporaryDirectory(prefix="zcp-bench-cache-") as tmp:
         root = Path(args.models) if args.models else Path(tmp)
-        if (
+        if set(variants) - {"small"} and (
             not (root / "pipeline" / "model_index.json").exists()
             or not (root / "remote-model" / "config.json").exists()
         ):
             print(f"building the {args.size} pipeline and two ControlNets into {root} ...", flush=True)
             build_controlnet_pipeline(root, size=args.size)
+        if not (root / "small" / SMALL_STEPS[-1] / "config.json").exists():
+            build_small(root)
         nbytes = sum(f.stat().st_size for f in root.rglob("*.safetensors"))
         print(f"models: {nbytes / 1e9:.2f} GB of safetensors in {root}; {args.runs} runs per variant and mode")
         print("\n".join(notes) + "\n", flush=True)
         paths = _paths(root)
-        results = measure(paths, runs=args.runs, variants=variants, dtype=dtype, autostart=True)
-        if overmind is not None:
-            om_variants = tuple(v for v in variants if v in OVERMIND_VARIANTS)
-            results.update(measure_overmind(overmind, paths, runs=args.runs, variants=om_variants, dtype=dtype,
-                                            scratch=Path(tmp), notes=notes))  # fmt: skip
+        with neighbour(args.busy):
+            results = measure(paths, runs=args.runs, variants=variants, dtype=dtype, autostart=True)
+            if overmind is not None:
+                om_variants = tuple(v for v in variants if v in OVERMIND_VARIANTS)
+                results.update(measure_overmind(overmind, paths, runs=args.runs, variants=om_variants, dtype=dtype,
+                                                scratch=Path(tmp), notes=notes))  # fmt: skip
     return {k: results[k] for k in sorted(results, key=_order)}, notes
 
 
 def _order(name: str) -> tuple[int, int]:
     mode, variant = name.split("/")
     modes = ("plain", "autostart", "cache", "overmind-autostart", "overmind")
-    return ("vae", "wrapper", "remote").index(variant), modes.index(mode)
+    return VARIANTS.index(variant), modes.index(mode)
 
 
 if __name__ == "__main__":

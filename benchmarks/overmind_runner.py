@@ -44,6 +44,7 @@ from typing import Any
 RUNNER = Path(__file__).resolve()
 STEPS = ("vae", "edge", "depth", "pipeline")
 REMOTE_STEP = "remote"
+SMALL_STEPS = ("llama", "gpt2", "small-vae")  # zerocopy_pickle.cache.scenario.SMALL_STEPS
 PIDFILE_ENV = "ZCP_BENCH_OVERMIND_PIDFILE"
 
 
@@ -135,6 +136,15 @@ def run_steps(mode: str, variant: str, paths: dict[str, str], dtype_name: str) -
 
     dtype = getattr(torch, dtype_name)
     times: dict[str, Any] = {}
+    if variant == "small":  # zerocopy_pickle.cache.scenario._run_small: three ~1 MB models, loaded as saved
+        from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+        small = []
+        for step, load in zip(SMALL_STEPS, (LlamaForCausalLM, GPT2LMHeadModel, AutoencoderKL), strict=True):
+            start = time.perf_counter()
+            small.append(load.from_pretrained(paths[step]))
+            times[step] = time.perf_counter() - start
+        return _timed_touch(times, small)
     start = time.perf_counter()
     vae = AutoencoderKL.from_pretrained(paths["pipeline"], subfolder="vae", torch_dtype=dtype)
     times["vae"] = time.perf_counter() - start
@@ -157,7 +167,11 @@ def run_steps(mode: str, variant: str, paths: dict[str, str], dtype_name: str) -
         start = time.perf_counter()
         modules.append(AutoModel.from_pretrained(paths["remote"], trust_remote_code=True, dtype=dtype))
         times[REMOTE_STEP] = time.perf_counter() - start
-    times["load"] = sum(times[step] for step in (*STEPS, REMOTE_STEP) if step in times)
+    return _timed_touch(times, modules)
+
+
+def _timed_touch(times: dict[str, Any], modules: list[Any]) -> dict[str, Any]:
+    times["load"] = sum(times.values())
     start = time.perf_counter()
     _touch(modules)
     times["touch"] = time.perf_counter() - start

@@ -8,7 +8,10 @@ Every run is a fresh process (as a user's program is), timed from after its impo
 touches every page of every weight once, because a zero-copy load defers page faults to first use and a fair
 total includes them.
 
-    python -m zerocopy_pickle.cache.scenario plain|cache|autostart vae|wrapper|remote PATHS_JSON DTYPE
+    python -m zerocopy_pickle.cache.scenario plain|cache|autostart vae|wrapper|remote|small PATHS_JSON DTYPE
+
+``small`` is another scenario on the same footing: a tiny LLaMA, a tiny GPT-2 and a small VAE (about 1 MB each),
+where a cache's fixed cost per call shows.
 
 ``cache`` runs against a server started (and ready) beforehand; ``autostart`` is the first call of the day:
 ``patch_all()`` with no server running, which starts one (:func:`measure_autostart`).
@@ -35,14 +38,17 @@ from .client import Client
 from .messages import StatusReply, StatusRequest, Stop
 from .protocol import DIR_ENV, CacheError
 
-__all__ = ["REMOTE_STEP", "STEPS", "measure", "measure_autostart", "print_table", "run_demo"]
+__all__ = ["REMOTE_STEP", "SMALL_STEPS", "STEPS", "measure", "measure_autostart", "print_table", "run_demo"]
 
 STEPS = ("vae", "edge", "depth", "pipeline")
 REMOTE_STEP = "remote"  # the remote variant's fifth step: the model whose classes live in transformers_modules
+SMALL_STEPS = ("llama", "gpt2", "small-vae")  # the small variant: three models of about 1 MB, as saved (float32)
+TOTALS = ("load", "touch", "total")
 
 
 def _steps(run: dict[str, Any]) -> tuple[str, ...]:
-    return (*STEPS, REMOTE_STEP) if REMOTE_STEP in run else STEPS
+    """A run's steps, in the order they ran (a run's dict keeps it, through JSON too)."""
+    return tuple(key for key in run if key not in TOTALS)
 
 
 def _touch(modules: list[Any]) -> int:
@@ -77,6 +83,8 @@ def _run_steps(mode: str, variant: str, paths: dict[str, str], dtype_name: str) 
 
     dtype = getattr(torch, dtype_name)
     times: dict[str, float] = {}
+    if variant == "small":
+        return _timed_touch(times, _run_small(paths, times))
     start = time.perf_counter()
     vae = AutoencoderKL.from_pretrained(paths["pipeline"], subfolder="vae", torch_dtype=dtype)
     times["vae"] = time.perf_counter() - start
@@ -99,6 +107,25 @@ def _run_steps(mode: str, variant: str, paths: dict[str, str], dtype_name: str) 
         start = time.perf_counter()
         modules.append(AutoModel.from_pretrained(paths["remote"], trust_remote_code=True, dtype=dtype))
         times[REMOTE_STEP] = time.perf_counter() - start
+    return _timed_touch(times, modules)
+
+
+def _run_small(paths: dict[str, str], times: dict[str, float]) -> list[Any]:
+    """The small variant's loads (``benchmarks/cache.py --set small`` builds the models): a tiny LLaMA, a tiny
+    GPT-2 and a small VAE, each about 1 MB, loaded as saved."""
+    from diffusers import AutoencoderKL
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    modules = []
+    loaders: tuple[Any, ...] = (LlamaForCausalLM, GPT2LMHeadModel, AutoencoderKL)
+    for step, load in zip(SMALL_STEPS, loaders, strict=True):
+        start = time.perf_counter()
+        modules.append(load.from_pretrained(paths[step]))
+        times[step] = time.perf_counter() - start
+    return modules
+
+
+def _timed_touch(times: dict[str, float], modules: list[Any]) -> dict[str, Any]:
     times["load"] = sum(times[step] for step in _steps(times))
     start = time.perf_counter()
     _touch(modules)
@@ -233,8 +260,8 @@ def print_table(results: dict[str, list[dict[str, Any]]]) -> None:
     ``results`` maps ``MODE/VARIANT`` to runs; the warm runs are every run of ``plain/...``, every run after the
     first of the others (a mode with one run, such as ``autostart/...``, has none).
     """
-    steps = STEPS if all(REMOTE_STEP not in run for runs in results.values() for run in runs) else (*STEPS, REMOTE_STEP)
-    columns = (*steps, "load", "touch", "total")
+    steps = dict.fromkeys(step for runs in results.values() for run in runs for step in _steps(run))
+    columns = (*steps, *TOTALS)
     width = max([24, *(len(name) + 7 for name in results)])
     print(f"  {'run':<{width}}" + "".join(f"{c:>10}" for c in columns))
     for name, runs in results.items():
