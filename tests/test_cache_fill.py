@@ -1,4 +1,4 @@
-"""Misses load in the caller, never slower than the plain call: the first call with no server running, a miss with
+"""Misses load in the caller, as the plain call does: the first call with no server running, a miss with
 one running, what the caller changes afterwards, and the server's checks on what a client files (a ``put``)."""
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ of this user gets the model from shared memory in milliseconds.
 A server (``zerocopy-pickle serve``, or started on demand) holds each result as segments in sealed memfds;
 clients receive them over a private Unix socket and load them copy-on-write, zero-copy. On a miss (or before
 any server runs: ``patch_all()`` starts one in the background) the caller loads the call itself, exactly as
-without the cache, and hands the result to the server afterwards, on a background thread. Keys fingerprint local
-files, so a changed checkpoint is a miss; cached objects passed as arguments travel as references. The cache may
-make a load faster, never slower, and never make it fail. See ``docs/cache.md``.
+without the cache, and hands the result to the server afterwards, from a forked child. Keys fingerprint local
+files, so a changed checkpoint is a miss; cached objects passed as arguments travel as references. A hit is
+faster than the plain call, a miss costs more than it (the key, a round trip, a fork and the page faults that
+follow it: 10-30 ms in a process that imported transformers), and the cache never makes a load fail. See ``docs/cache.md``.
 
 This namespace is the cache's public API; its submodules are internal. Packages declare more patch points
 through the entry-point group ``zerocopy_pickle.cache_patch_points`` (``docs/cache.md``).

@@ -1,8 +1,9 @@
 """Internal: the client side of the cache: keys, requests, loading entries, filling misses, and falling back to a
 direct load.
 
-The cache may make a load faster, never slower, and never make it fail. A hit is loaded from the server's
-segments. On a miss, and when no server runs yet (``patch_all()`` then starts one in the background without
+A hit is loaded from the server's segments, faster than the plain call; a miss costs the caller the key, one
+round trip and a fork on top of the plain call (docs/cache.md, "What a miss costs"); the cache never makes a load
+fail. On a miss, and when no server runs yet (``patch_all()`` then starts one in the background without
 waiting for it), the caller loads the call itself, exactly as the plain call would, and gets the result at once;
 what it loaded is captured into an entry right away (pickled, its untouched checkpoint views referenced, any other
 storage copied into a sealed memfd: ``entries.capture``) and sent to the server (a ``put``) by a forked child, or,
