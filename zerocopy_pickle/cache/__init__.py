@@ -11,7 +11,8 @@ any server runs: ``patch_all()`` starts one in the background) the caller loads 
 without the cache, and hands the result to the server afterwards, from a forked child. Keys fingerprint local
 files, so a changed checkpoint is a miss; cached objects passed as arguments travel as references. A hit is
 faster than the plain call, a miss costs more than it (the key, a round trip, a fork and the page faults that
-follow it: 10-30 ms in a process that imported transformers), and the cache never makes a load fail. See ``docs/cache.md``.
+follow it: 10-30 ms in a process that imported transformers), and the cache never makes a load fail. See
+``docs/cache.md``.
 
 This namespace is the cache's public API; its submodules are internal. Packages declare more patch points
 through the entry-point group ``zerocopy_pickle.cache_patch_points`` (``docs/cache.md``).

@@ -422,7 +422,7 @@ class _Prefaulter:
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._started = False
         self._supported = True
 
     def submit(self, mappings: Iterable[Any]) -> None:
@@ -431,9 +431,9 @@ class _Prefaulter:
         for memory in mappings:
             self._queue.put(memory)
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="zerocopy_pickle-prefault", daemon=True)
-                self._thread.start()
+            if not self._started:  # a thread of its own, never joined; started without waiting for it to run
+                self._started = True  # (threading.Thread.start waits: milliseconds of a hit on a busy machine)
+                _thread.start_new_thread(self._run, ())
 
     def _run(self) -> None:
         while True:
