@@ -111,7 +111,7 @@ def _run_steps(mode: str, variant: str, paths: dict[str, str], dtype_name: str) 
 
 
 def _run_small(paths: dict[str, str], times: dict[str, float]) -> list[Any]:
-    """The small variant's loads (``benchmarks/cache.py --set small`` builds the models): a tiny LLaMA, a tiny
+    """The small variant's loads (``benchmarks/cache.py --variants small`` builds the models): a tiny LLaMA, a tiny
     GPT-2 and a small VAE, each about 1 MB, loaded as saved."""
     from diffusers import AutoencoderKL
     from transformers import GPT2LMHeadModel, LlamaForCausalLM
