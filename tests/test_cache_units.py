@@ -10,6 +10,7 @@ import mmap
 import os
 import pickle
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -588,3 +589,81 @@ def test_filing_never_counts_the_frozen_heap(monkeypatch: pytest.MonkeyPatch) ->
         gc.unfreeze()
     assert seen == [0]
     assert gc.freeze is not freeze._watch  # gc.freeze is the program's own again
+
+
+def _resident_bytes(memory: mmap.mmap) -> int:
+    """The bytes of ``memory`` mapped into this process's page tables (its ``Rss`` in /proc/self/smaps)."""
+    import ctypes
+
+    anchor = ctypes.c_char.from_buffer(memory)
+    start = f"{ctypes.addressof(anchor):x}-"
+    del anchor
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(start):
+            for field in lines[i + 1 :]:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError("the mapping is not in /proc/self/smaps")
+
+
+def _private_mapping_of(nbytes: int) -> mmap.mmap:
+    fd = os.memfd_create("zcp-prefault-test")
+    try:
+        os.ftruncate(fd, nbytes)
+        with mmap.mmap(fd, nbytes) as shared:
+            shared[:] = b"\1" * nbytes  # in the page cache: the private mapping below has nothing mapped yet
+        return arena.map_private(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_READ and smaps are Linux's")
+def test_a_small_hit_is_prefaulted_before_it_is_unpickled_and_a_large_one_in_the_background(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(client.PREFAULT_ENV, raising=False)
+    prefaulter = client._Prefaulter()
+    small = _private_mapping_of(1 << 20)
+    assert _resident_bytes(small) == 0
+    prefaulter.submit([small])
+    if not prefaulter._supported:
+        pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14)")
+    assert _resident_bytes(small) == len(small)  # in the caller's thread: done when submit returns
+
+    monkeypatch.setattr(client, "INLINE_PREFAULT_BYTES", 1 << 20)
+    large = _private_mapping_of(4 << 20)
+    prefaulter.submit([large])
+    deadline = time.monotonic() + 60
+    while _resident_bytes(large) < len(large):  # the worker thread's: wait for it, on the condition
+        assert time.monotonic() < deadline, "the background prefault never populated the mapping"
+        time.sleep(0.01)
+    assert small[:1] == large[:1] == b"\1"  # populated readable, contents as written
+    monkeypatch.setenv(client.PREFAULT_ENV, "0")
+    off = _private_mapping_of(1 << 20)
+    prefaulter.submit([off])
+    assert _resident_bytes(off) == 0
+
+
+def test_arguments_without_code_pickle_without_cloudpickle_and_code_still_keys_by_value() -> None:
+    """A call's arguments are pickled plainly unless they hold a function or a class (cloudpickle is not imported
+    for a path and a dtype: 1.5-2 ms of a process's first hit); a lambda in them is pickled by value, so two
+    different closures give two keys and the same one again gives the same key."""
+    proc = run_python(
+        """
+        import sys, tempfile, torch
+        from zerocopy_pickle.cache import client
+        folder = tempfile.mkdtemp()
+        point = "transformers:PreTrainedModel.from_pretrained"
+        plain = client.describe(point, None, (folder,), {"torch_dtype": torch.float16})
+        print("cloudpickle imported:", "cloudpickle" in sys.modules)
+        def hook(k):
+            return lambda x: x + k
+        one = client.describe(point, None, (folder,), {"hook": hook(1)})
+        one_again = client.describe(point, None, (folder,), {"hook": hook(1)})
+        two = client.describe(point, None, (folder,), {"hook": hook(2)})
+        print("cloudpickle imported:", "cloudpickle" in sys.modules)
+        print(one["key"] == one_again["key"], one["key"] != two["key"], plain["key"] not in (one["key"], two["key"]))
+        """
+    )
+    assert proc.stdout.splitlines() == ["cloudpickle imported: False", "cloudpickle imported: True", "True True True"]

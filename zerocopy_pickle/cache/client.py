@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -68,6 +69,7 @@ __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_resu
 
 TIMEOUT_ENV = "ZEROCOPY_PICKLE_CACHE_TIMEOUT"
 PREFAULT_ENV = "ZEROCOPY_PICKLE_CACHE_PREFAULT"
+INLINE_PREFAULT_BYTES = 16 << 20  # a hit this small populates its pages in the caller (see _Prefaulter)
 FILL_ENV = "ZEROCOPY_PICKLE_CACHE_FILL"
 MISS_PREFETCH_ENV = "ZEROCOPY_PICKLE_CACHE_MISS_PREFETCH"
 """=1: a miss prefetches the checkpoint files its call will likely read. Off by default: on the development VM a
@@ -122,11 +124,21 @@ def cached_key(obj: Any) -> str | None:
     return None
 
 
-class _ArgumentPickler(entries.RefPickler):
-    """Pickles a call's arguments, replacing every cached object it meets by a reference (in meeting order)."""
+class _NeedsByValue(Exception):
+    """An argument is a function or a class: the arguments are pickled again, by value where they must be."""
 
-    def __init__(self, file: Any) -> None:
-        super().__init__(file, [], by_value=entries.by_value())
+
+class _ArgumentPickler(entries.RefPickler):
+    """Pickles a call's arguments, replacing every cached object it meets by a reference (in meeting order).
+
+    With ``stop_at_code`` it raises :class:`_NeedsByValue` at the first function or class: :func:`_pickle_arguments`
+    then pickles them again with ``by_value``. Nearly every call's arguments (paths, dtypes, configs) hold none, and
+    so never import cloudpickle (1.5-2 ms of a process's first hit) or build its pickler.
+    """
+
+    def __init__(self, file: Any, *, by_value: bool, stop_at_code: bool) -> None:
+        super().__init__(file, [], by_value=by_value)
+        self._stop_at_code = stop_at_code
         self.ref_objects: list[Any] = []
         self.ref_keys: list[str] = []
 
@@ -139,6 +151,8 @@ class _ArgumentPickler(entries.RefPickler):
                 self.ref_objects.append(obj)
                 self.ref_keys.append(key)
             return argument, (index,)
+        if self._stop_at_code and isinstance(obj, (types.FunctionType, type)):
+            raise _NeedsByValue
         return super().reducer_override(obj)
 
 
@@ -295,6 +309,30 @@ def _library_version(module: str) -> str:
         return "?"
 
 
+def _pickle_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bytes, _ArgumentPickler]:
+    """A call's arguments as the key pickles them, and their pickler (its ``ref_objects`` and ``ref_keys``):
+    plainly when they hold no function or class; else again, functions and classes by value where plain pickle
+    cannot take them, when cloudpickle is installed (:func:`entries.by_value`; without it, by reference).
+
+    Raises:
+        Uncacheable: an argument cannot be pickled.
+    """
+    passes = (False, True) if entries.by_value() else (None,)  # None: one pass, by reference
+    for by_value in passes:
+        out = io.BytesIO()
+        pickler = _ArgumentPickler(out, by_value=bool(by_value), stop_at_code=by_value is False)
+        try:
+            pickler.dump((args, kwargs))
+        except _NeedsByValue:
+            continue
+        except Exception as e:
+            raise Uncacheable(f"an argument cannot be pickled ({type(e).__name__}: {e})") from e
+        finally:
+            pickler.clear_memo()
+        return out.getvalue(), pickler
+    raise AssertionError("the last pass never stops at code")
+
+
 def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The request for a call: its key, the function to run, the pickled arguments, the referenced entries.
 
@@ -312,15 +350,7 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
     hub = _hub_snapshot(point, args, kwargs)
     if hub is not None:  # the loader reads exactly the commit the key names, from the caller's Hub cache
         kwargs = {**kwargs, "revision": hub["repo"][2], "cache_dir": hub["cache_dir"]}
-    out = io.BytesIO()
-    pickler = _ArgumentPickler(out)
-    try:
-        pickler.dump((args, kwargs))
-    except Exception as e:
-        raise Uncacheable(f"an argument cannot be pickled ({type(e).__name__}: {e})") from e
-    finally:
-        pickler.clear_memo()
-    stream = out.getvalue()
+    stream, pickler = _pickle_arguments(args, kwargs)
     files: dict[str, list[Any]] = {}
     _local_paths([list(args), {k: v for k, v in kwargs.items() if k != "cache_dir"}], files)
     if hub is not None:
@@ -417,6 +447,10 @@ class _Prefaulter:
     900,000 of them. Populating the page tables (``MADV_POPULATE_READ``, no copy: writes still copy on write)
     while the caller unpickles and goes on overlaps that work with the caller's, on another core. One worker
     thread, segments in the order the hits came; ``ZEROCOPY_PICKLE_CACHE_PREFAULT=0`` turns it off.
+
+    A hit of at most :data:`INLINE_PREFAULT_BYTES` is populated in the caller's thread instead (about 50 us per
+    MiB, against about 200 us per MiB of faults at first use): on a busy machine a worker thread would wait for a
+    core while the caller faults the same pages itself.
     """
 
     def __init__(self) -> None:
@@ -427,6 +461,13 @@ class _Prefaulter:
 
     def submit(self, mappings: Iterable[Any]) -> None:
         if not self._supported or os.environ.get(PREFAULT_ENV, "1") == "0":
+            return
+        mappings = list(mappings)
+        if sum(len(memory) for memory in mappings) <= INLINE_PREFAULT_BYTES:
+            for memory in mappings:
+                if not arena.prefault(memory):
+                    self._supported = False
+                    return
             return
         for memory in mappings:
             self._queue.put(memory)
@@ -511,16 +552,18 @@ class _Filer:
         # Read ends of forked filings' report pipes: a child that finds the result cannot be captured writes why.
         self._reports: dict[int, tuple[Get, bytearray]] = {}
 
-    def file(self, request: dict[str, Any], value: Any, refs: list[Any], *, files: bool, start: bool = False) -> None:
+    def file(
+        self, request: dict[str, Any], value: Any, refs: list[Any], *, files: bool, fork: bool, start: bool = False
+    ) -> None:
         """Start filing ``value`` as the entry of ``request`` (``files``: the server takes references to
-        checkpoint files; ``start``: the forked child starts a server first). Raises what capturing raises, where
-        it happens in this thread."""
+        checkpoint files; ``fork``: captured by a forked child, else in this thread; ``start``: the forked child
+        starts a server first). Raises what capturing raises, where it happens in this thread."""
         put = Put(request["get"], JobResult([], []), len(request["payload"]))
         with self._lock:
             previous, self._last = self._last, None
             read, write = os.pipe()
             try:
-                if _fork_is_safe():
+                if fork:
                     try:
                         self._fork(put, request["payload"], value, refs, files, previous, write, start)
                     finally:
@@ -532,18 +575,16 @@ class _Filer:
                         os.close(write)
                         raise
                     self._writers.add(write)
-                    threading.Thread(
-                        target=self._send_after,
-                        args=(
-                            dataclasses.replace(put, result=result),
-                            request["payload"] + stream,
-                            fds,
-                            previous,
-                            write,
-                        ),
-                        name="zerocopy_pickle-fill",
-                        daemon=True,
-                    ).start()
+                    # Not threading.Thread, whose start() waits until the thread has run (milliseconds when busy).
+                    send = (dataclasses.replace(put, result=result), request["payload"] + stream, fds, previous, write)
+                    try:
+                        _thread.start_new_thread(self._send_after, send)
+                    except BaseException:
+                        self._writers.discard(write)
+                        os.close(write)
+                        for fd in fds:
+                            os.close(fd)
+                        raise
                     previous = None  # the thread closes it
             finally:
                 if previous is not None:
@@ -849,8 +890,8 @@ def _spawn_server(*, reap: bool) -> Path:
             cwd=directory,
             env=child_environment(env, cleaned=False),
         )
-    if reap:
-        threading.Thread(target=_reap_server, args=(process,), name="zerocopy_pickle-server-reap", daemon=True).start()
+    if reap:  # not threading.Thread, whose start() waits until the thread has run (milliseconds when busy)
+        _thread.start_new_thread(_reap_server, (process,))
     else:  # a filing child: held until its os._exit (a collected running Popen warns), then init's to reap
         _UNREAPED.append(process)
     return log
@@ -941,12 +982,13 @@ def _file(
     (a Python importing the package, on another core or on this one) would have slowed."""
     refs = request["ref_objects"] + entries.argument_slots(args, kwargs)
     start = start and _claim_spawn()
-    if start and not _fork_is_safe():
+    fork = _fork_is_safe()
+    if start and not fork:
         start = False
         with contextlib.suppress(Exception):
             _spawn_server(reap=True)
     try:
-        _filer.file(request, value, refs, files=files, start=start)
+        _filer.file(request, value, refs, files=files, fork=fork, start=start)
     except Exception as e:  # the caller has its result; only the cache goes without
         if not _is_uncapturable(e):
             _warn_once(f"capture:{type(e).__name__}", f"a result cannot be cached ({type(e).__name__}: {e})", "")
