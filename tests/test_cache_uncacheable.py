@@ -134,10 +134,12 @@ print(json.dumps({"loaded": sorted(result["state"])}))
 """
 
 
-def test_autostart_leaves_no_resource_warning(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fill", ["caller", "background"])
+def test_autostart_leaves_no_resource_warning(tmp_path: Path, fill: str) -> None:
     path = _checkpoint(tmp_path / "model.pt", 1.0)
     with private_dir() as directory:
-        env = {"ZEROCOPY_PICKLE_CACHE_DIR": str(directory), "PYTHONPATH": str(REPO), "PYTHONWARNINGS": ""}
+        env = {"ZEROCOPY_PICKLE_CACHE_DIR": str(directory), "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "",
+               "ZEROCOPY_PICKLE_CACHE_FILL": fill}  # fmt: skip
         code = "import warnings; warnings.simplefilter('error', ResourceWarning)\n" + AUTOSTART
         proc = run_python(code, path, env=env)
         try:

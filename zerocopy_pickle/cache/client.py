@@ -11,7 +11,9 @@ where CUDA is initialized, captured in the calling thread and sent by a backgrou
 the next process gets a hit. If the server is dead, slow or broken, or a call cannot be keyed,
 :func:`cached_call` calls the original loader directly and warns once per cause.
 
-``ZEROCOPY_PICKLE_CACHE_FILL=server`` makes misses load in the server's loader instead (the caller waits for it;
+``ZEROCOPY_PICKLE_CACHE_FILL=background`` has the server's loader load a miss for the next process, at the lowest
+CPU priority, while the caller loads it plain and files nothing (no fork: :func:`fill_mode`,
+:func:`_fill_in_new_server`); ``=server`` makes misses load in the server's loader instead (the caller waits for it;
 the result then never holds the caller's own storages).
 """
 
@@ -49,7 +51,7 @@ from .. import arena, locate, readahead
 from .._version import __version__
 from ..loadcore import argument
 from . import checkpoints, entries
-from .isolation import WORKDIR_ENV, child_environment
+from .isolation import SPAWNER_ENV, WORKDIR_ENV, child_environment
 from .messages import (
     MAX_FILE_CHECKS,
     Call,
@@ -876,14 +878,17 @@ def _claim_spawn(wait: float = 0.0) -> bool:
     return True
 
 
-def _spawn_server(*, reap: bool) -> Path:
+def _spawn_server(*, reap: bool, spawner: socket.socket | None = None) -> Path:
     """Start ``zerocopy-pickle serve`` in its own session; return its log's path. ``reap``: a daemon thread of
-    this process waits for it (a filing child, which ends with ``os._exit``, leaves it to init instead)."""
+    this process waits for it (a filing child, which ends with ``os._exit``, leaves it to init instead).
+    ``spawner``: a socket the server serves as its first connection (see :func:`_fill_in_new_server`)."""
     directory = runtime_dir()
     log = directory / "server.log"
     env = dict(os.environ)
     with contextlib.suppress(OSError):  # relative paths of requests resolve here, as if it ran here
         env[WORKDIR_ENV] = os.getcwd()
+    if spawner is not None:
+        env[SPAWNER_ENV] = str(spawner.fileno())
     with open(log, "ab") as out:
         # Started in the private runtime directory, not here: Python puts its start directory first on sys.path,
         # and this one may hold anybody's modules (see isolation.py).
@@ -895,12 +900,60 @@ def _spawn_server(*, reap: bool) -> Path:
             start_new_session=True,
             cwd=directory,
             env=child_environment(env, cleaned=False),
+            pass_fds=() if spawner is None else (spawner.fileno(),),
         )
     if reap:  # not threading.Thread, whose start() waits until the thread has run (milliseconds when busy)
         _thread.start_new_thread(_reap_server, (process,))
     else:  # a filing child: held until its os._exit (a collected running Popen warns), then init's to reap
         _UNREAPED.append(process)
     return log
+
+
+def fill_mode() -> str:
+    """How misses are filled (:data:`FILL_ENV`): ``caller`` (the default: the caller's result is filed by a
+    forked child), ``background`` (the server's loader loads the call itself for the next process, at the lowest
+    CPU priority, and the caller files nothing) or ``server`` (the server's loader loads it and the caller
+    waits). Anything else means the default."""
+    mode = os.environ.get(FILL_ENV, "").strip().lower()
+    return mode if mode in ("background", "server") else "caller"
+
+
+_spawner: list[socket.socket] = []
+"""This process's end of the socket to the server it started for a background fill, until a server answers."""
+
+
+def _fill_in_new_server(request: dict[str, Any]) -> None:
+    """No server answered a miss to be filled in the background: start one (unless this process started one
+    moments ago, still coming up) and hand it the miss over a socket the server serves as its first connection,
+    so the caller waits for nothing. Never raises: without a server, only the cache goes without."""
+    get = dataclasses.replace(request["get"], fill=True, background=True)
+    try:
+        if _claim_spawn():
+            _close_spawner()
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                _spawn_server(reap=True, spawner=theirs)
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
+            ours.settimeout(1.0)
+            _spawner.append(ours)
+        if _spawner:  # the server answers each with a Miss, never read: the socket is closed unread
+            send(_spawner[0], get.encode(), request["payload"])
+    except Exception as e:
+        _close_spawner()
+        log.info("could not hand %s to a new cache server (%s)", get.describe or "a call", e)
+
+
+def _close_spawner() -> None:
+    while _spawner:
+        with contextlib.suppress(OSError):
+            _spawner.pop().close()
+
+
+atexit.register(_close_spawner)  # closed, not collected open (which warns ResourceWarning)
 
 
 def cached_call(
@@ -927,11 +980,12 @@ def cached_call(
         except Uncacheable as e:
             _warn_once(f"uncacheable:{point}", str(e))
             return original(*args, **kwargs)
-        fill = os.environ.get(FILL_ENV, "caller") != "server"
+        mode = fill_mode()
         if request["key"] in _UNCAPTURABLE:  # said once already; nothing to capture, nothing to ask
             return original(*args, **request["kwargs"])
         try:
-            result = _fetch(request, args, kwargs, autostart=autostart, fill=fill)
+            result = _fetch(request, args, kwargs, autostart=autostart, fill=mode != "server",
+                            background=mode == "background")  # fmt: skip
         except CacheError as e:
             _warn_once(f"error:{type(e).__name__}", str(e))
             return original(*args, **kwargs)
@@ -947,7 +1001,13 @@ def cached_call(
                 value = original(*args, **request["kwargs"])
             finally:
                 checkpoints.stop(reading)
-            _file(request, value, args, kwargs, files=result.files, start=result is _NO_SERVER)
+            if result.filling:  # the server loads the call itself, for the next process: nothing to file here
+                register_result(value, request["key"])
+            elif result is _NO_SERVER and mode == "background":
+                _fill_in_new_server(request)
+                register_result(value, request["key"])
+            else:
+                _file(request, value, args, kwargs, files=result.files, start=result is _NO_SERVER)
             return value
         log.info("cache hit: %s", request["get"].describe)
         register_result(result, request["key"])
@@ -1060,10 +1120,16 @@ def _report_uncapturable(get: Get, reason: str) -> None:
 
 
 def _fetch(
-    request: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, autostart: bool, fill: bool = False
+    request: dict[str, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    autostart: bool,
+    fill: bool = False,
+    background: bool = False,
 ) -> Any:
     """The cached result of the call; with ``fill``, a :class:`Miss` when the caller is to load it (the server
-    missed, or none runs yet and one was started)."""
+    missed, or none runs yet and one was started); with ``background`` too, the server fills the miss itself."""
     try:
         client = Client()
     except CacheError:
@@ -1073,7 +1139,8 @@ def _fetch(
             return _NO_SERVER
         start_server_in_background()
         client = Client()
-    get = dataclasses.replace(request["get"], fill=fill)
+    _close_spawner()  # a server answers: what it started with is no longer needed
+    get = dataclasses.replace(request["get"], fill=fill, background=fill and background)
     with client:
         header, stream, fds = client.request(
             get, request["payload"], timeout=min(_timeout(), HIT_TIMEOUT) if fill else _timeout()

@@ -23,9 +23,12 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["WORKDIR_ENV", "child_environment", "clean_sys_path", "cleaned_path"]
+__all__ = ["SPAWNER_ENV", "WORKDIR_ENV", "child_environment", "clean_sys_path", "cleaned_path"]
 
 WORKDIR_ENV = "ZEROCOPY_PICKLE_CACHE_WORKDIR"
+SPAWNER_ENV = "ZEROCOPY_PICKLE_CACHE_SPAWNER_FD"
+"""The fd of a socket to the client that started the server, which serves it as its first connection: the
+misses that client had while the server started (background fills) arrive on it."""
 """Internal: the directory relative paths of requests resolve against (set by whoever starts a server)."""
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the zerocopy_pickle package

@@ -141,8 +141,17 @@ def run_job(job: Job, payload: bytes, result: socket.socket, segment_fds: Sequen
             os.close(fd)
 
 
+def lower_priority() -> None:
+    """Run this process at the lowest CPU priority (nice 19): it then takes only cycles the callers leave (a
+    background fill, or a zygote started for one). Never raises."""
+    with contextlib.suppress(OSError):
+        os.nice(19 - os.nice(0))
+
+
 def _child(job: Job, payload: bytes, fds: list[int], workdir: str | None) -> int:
     result = socket.socket(fileno=fds[0])
+    if job.background:  # nobody waits for this load: it may only use what the machine does not
+        lower_priority()
     try:
         if job.workdir:  # relative paths of the call resolve where the caller runs (imports never look there)
             os.chdir(job.workdir)  # or the job fails, and the caller loads directly: never another folder's file
@@ -158,13 +167,16 @@ def _child(job: Job, payload: bytes, fds: list[int], workdir: str | None) -> int
         return 1
 
 
-def zygote_main(control_fd: int) -> None:
+def zygote_main(control_fd: int, *, background: bool = False) -> None:
     """Import the model libraries, then fork a child for each job the server sends, until it hangs up.
+    ``background``: it was started for a background fill and runs (its imports too) at the lowest CPU priority.
 
     Nothing is imported from the directory the zygote was started in, nor from the server's: ``sys.path`` is
     cleaned first (``isolation.py``), and the working directory is the private one the server started it in.
     """
     clean_sys_path()
+    if background:
+        lower_priority()
     workdir = os.environ.pop(WORKDIR_ENV, None)
     control = socket.socket(fileno=control_fd)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel: no zombies
@@ -210,4 +222,4 @@ def zygote_main(control_fd: int) -> None:
 
 
 if __name__ == "__main__":
-    zygote_main(int(sys.argv[1]))
+    zygote_main(int(sys.argv[1]), background=sys.argv[2:] == ["background"])

@@ -260,7 +260,9 @@ class Get:
     arguments (the payload) need, the caller's working directory (absolute: relative paths among the arguments
     mean what they mean there), and the files the key was computed from (re-checked on every hit). With
     ``fill``, a miss is answered at once (:class:`Miss`): the client loads the call itself and sends the result
-    (:class:`Put`); without, the server's loader loads it and the reply waits."""
+    (:class:`Put`); without, the server's loader loads it and the reply waits. With ``fill`` and ``background``
+    too, the miss is answered at once and the server's loader loads the call for the next process, at the lowest
+    CPU priority (unless that load failed before: :attr:`Miss.filling` says which), and the client files nothing."""
 
     OP: ClassVar[str] = "get"
     key: str
@@ -270,11 +272,13 @@ class Get:
     cwd: str | None = None
     files: list[FileCheck] = field(default_factory=list)  # what the key was computed from: checked on every hit
     fill: bool = False
+    background: bool = False
 
     def encode(self) -> dict[str, Any]:
         return {"op": self.OP, "key": self.key, "call": self.call.encode(), "describe": self.describe,
                 "plugins": [list(p) for p in self.plugins], "cwd": self.cwd,
-                "files": [list(f) for f in self.files], "fill": self.fill}  # fmt: skip
+                "files": [list(f) for f in self.files], "fill": self.fill,
+                "background": self.background}  # fmt: skip
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Get:
@@ -291,6 +295,7 @@ class Get:
             _directory(header.get("cwd"), "cwd", what),
             decode_file_checks(header.get("files", []), what),
             header.get("fill", False) is True,
+            header.get("background", False) is True,
         )
 
 
@@ -483,18 +488,23 @@ class Miss:
     """The answer to a ``get`` with ``fill`` that missed: the client loads the call itself. ``files``: whether
     the server keeps entries' untouched checkpoint views as references to the files (else it wants every byte
     in a memfd: ``serve --copy-files``). ``uncacheable``: why a process found the call's result could not be
-    captured (:class:`Uncapturable`), its files unchanged since: the client loads it and files nothing."""
+    captured (:class:`Uncapturable`), its files unchanged since: the client loads it and files nothing.
+    ``filling``: the server's loader is loading the call itself, in the background (a ``get`` with
+    ``background``): the client loads it and files nothing."""
 
     files: bool = True
     uncacheable: str | None = None
+    filling: bool = False
 
     def encode(self) -> dict[str, Any]:
-        return {"ok": True, "miss": True, "files": self.files, "uncacheable": self.uncacheable}
+        header = {"ok": True, "miss": True, "files": self.files, "uncacheable": self.uncacheable}
+        return {**header, "filling": True} if self.filling else header
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Miss:
         reason = header.get("uncacheable")
-        return cls(header.get("files", True) is True, reason[:MAX_REASON] if isinstance(reason, str) else None)
+        return cls(header.get("files", True) is True, reason[:MAX_REASON] if isinstance(reason, str) else None,
+                   header.get("filling", False) is True)  # fmt: skip
 
 
 Reply = Failure | Pong | Done | Cleared | StatusReply | EntryReply | Miss
@@ -585,7 +595,8 @@ class Job:
     """A miss for the loader: the call and the plugins its arguments need, the entries it references (their
     parts, then the call's arguments, are the payload), the segments sent with it (fds after the result socket),
     a deduplication index ``(digest, segment, offset, nbytes)``, whether checkpoint files may be referenced, and
-    the directory the call runs in (the caller's working directory; None: the server's)."""
+    the directory the call runs in (the caller's working directory; None: the server's), and whether nobody waits
+    for it (``background``: its child runs at the lowest CPU priority)."""
 
     OP: ClassVar[str] = "load"
     call: Call
@@ -595,12 +606,13 @@ class Job:
     index: list[tuple[str, int, int, int]]
     file_segments: bool = True
     workdir: str | None = None
+    background: bool = False
 
     def encode(self) -> dict[str, Any]:
         return {"op": self.OP, "call": self.call.encode(), "plugins": [list(p) for p in self.plugins],
                 "refs": [ref.encode() for ref in self.refs], "segments": list(self.segments),
                 "index": [list(row) for row in self.index], "file_segments": self.file_segments,
-                "workdir": self.workdir}  # fmt: skip
+                "workdir": self.workdir, "background": self.background}  # fmt: skip
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Job:
@@ -623,6 +635,7 @@ class Job:
             rows,
             bool(header.get("file_segments", True)),
             _directory(header.get("workdir"), "workdir", what),
+            header.get("background", False) is True,
         )
 
 

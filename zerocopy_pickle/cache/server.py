@@ -19,6 +19,7 @@ Run with ``zerocopy-pickle serve`` (``--max-bytes``, ``--persist DIR``), or let 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import logging
@@ -32,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .isolation import WORKDIR_ENV, child_environment, clean_sys_path
+from .isolation import SPAWNER_ENV, WORKDIR_ENV, child_environment, clean_sys_path
 from .messages import (
     Clear,
     Cleared,
@@ -64,6 +65,11 @@ __all__ = ["IDLE_TIMEOUT", "MAX_CONNECTIONS", "Server", "serve"]
 log = logging.getLogger(__name__)
 
 LOADER_TIMEOUT = 3600.0
+
+MAX_FILLING = 64
+"""Background fills running or waiting at once; a miss beyond them is the client's to file."""
+MAX_UNLOADABLE = 4096
+"""Keys whose background fill failed, remembered (the least recently asked for forgotten first)."""
 
 MAX_CONNECTIONS = 64
 """Client connections served at once, each by a thread of its own (a client holds one per call, for the call's
@@ -116,6 +122,8 @@ class Server:
         self.stopping = threading.Event()
         self._inflight: dict[str, _Inflight] = {}
         self._inflight_lock = threading.Lock()
+        self._filling = 0  # background fills running or waiting (status: "filling")
+        self._unloadable: collections.OrderedDict[str, str] = collections.OrderedDict()  # failed background fills
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_socket: socket.socket | None = None
         self._zygote_lock = threading.Lock()
@@ -206,14 +214,15 @@ class Server:
 
     # -- the zygote ---------------------------------------------------------------------------------------------
 
-    def _start_zygote(self) -> None:
+    def _start_zygote(self, background: bool = False) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = child_environment(
             dict(os.environ, ZEROCOPY_PICKLE_CACHE_LOADER="1", **{WORKDIR_ENV: self.workdir}), cleaned=False
         )
         # Started in the private runtime directory: what Python puts first on its sys.path is only ours.
         self._zygote = subprocess.Popen(
-            [sys.executable, "-m", "zerocopy_pickle.cache.loader", str(child.fileno())],
+            [sys.executable, "-m", "zerocopy_pickle.cache.loader", str(child.fileno())]
+            + (["background"] if background else []),
             pass_fds=[child.fileno()],
             env=env,
             cwd=self.path.parent,
@@ -252,7 +261,7 @@ class Server:
         with self._zygote_lock:
             if self._zygote is None or self._zygote.poll() is not None:
                 self._stop_zygote()
-                self._start_zygote()
+                self._start_zygote(job.background)  # started by a background fill: at the lowest priority
             if not self._zygote_ready.wait(timeout=300):
                 raise CacheError("the cache's loader process did not start")
             assert self._zygote_socket is not None
@@ -332,6 +341,7 @@ class Server:
             zygote = self._zygote.pid if self._zygote is not None and self._zygote.poll() is None else None
             ready = zygote is not None and self._zygote_ready.is_set()
             status = {**self.store.status(), "pid": os.getpid(), "loader_pid": zygote, "loader_ready": ready,
+                      "filling": self._filling,
                       "max_connections": self.max_connections,
                       "refused_connections": self.refused_connections}  # fmt: skip
             send(conn, StatusReply(status).encode())
@@ -349,7 +359,9 @@ class Server:
         hit = entry is not None
         if entry is None and request.fill:  # the client loads it itself, now, and sends it (a put)
             # unless a process found its result cannot be captured, and the files it depends on are the same
-            send(conn, Miss(self.file_segments, self.store.uncacheable(key)).encode())
+            uncacheable = self.store.uncacheable(key)
+            filling = request.background and uncacheable is None and self._fill_later(key, request, payload)
+            send(conn, Miss(self.file_segments, uncacheable, filling).encode())
             return
         if entry is None:
             entry = self._load(key, request, payload)
@@ -395,7 +407,50 @@ class Server:
         self.store.add(entry, new_fd, fds[int(result.new_segment) :])
         send(conn, Done().encode())
 
-    def _load(self, key: str, request: Get, payload: bytes) -> Entry:
+    def _fill_later(self, key: str, request: Get, payload: bytes) -> bool:
+        """Load ``request`` in the loader for the next process, without anybody waiting (a background fill);
+        whether it is being loaded now. Not when its load failed before (``_unloadable``: the client then files
+        its own result, as without ``background``)."""
+        with self._inflight_lock:
+            if key in self._unloadable:
+                self._unloadable.move_to_end(key)
+                return False
+            if key in self._inflight:  # another process's miss is loading it already
+                return True
+            if self._filling >= MAX_FILLING:
+                return False
+            self._filling += 1
+        try:
+            threading.Thread(target=self._fill, args=(key, request, payload), name="zerocopy_pickle-cache-fill",
+                             daemon=True).start()  # fmt: skip
+        except BaseException:
+            with self._inflight_lock:
+                self._filling -= 1
+            raise
+        return True
+
+    def _fill(self, key: str, request: Get, payload: bytes) -> None:
+        """A background fill's thread: wait for the fills of the entries the call's arguments reference (a
+        pipeline's ``vae=vae`` is filed after the ``vae``), then load the call. A failure is logged and remembered
+        (at most :data:`MAX_UNLOADABLE` keys): the next miss of the key is the client's to file."""
+        try:
+            for ref in request.call.refs:
+                with self._inflight_lock:
+                    waiting = self._inflight.get(ref)
+                if waiting is not None:
+                    waiting.done.wait(self.loader_timeout)
+            self._load(key, request, payload, background=True)
+        except Exception as e:
+            log.warning("filing %s in the background failed: %s", request.describe or key, e)
+            with self._inflight_lock:
+                self._unloadable[key] = str(e)[:2000]
+                while len(self._unloadable) > MAX_UNLOADABLE:
+                    self._unloadable.popitem(last=False)
+        finally:
+            with self._inflight_lock:
+                self._filling -= 1
+
+    def _load(self, key: str, request: Get, payload: bytes, *, background: bool = False) -> Entry:
         with self._inflight_lock:
             inflight = self._inflight.get(key)
             owner = inflight is None
@@ -409,7 +464,7 @@ class Server:
                 raise CacheError(inflight.error or "the load this request waited for did not produce an entry")
             return entry
         try:
-            return self._run_loader(key, request, payload)
+            return self._run_loader(key, request, payload, background=background)
         except CacheError as e:
             inflight.error = str(e)
             raise
@@ -418,7 +473,7 @@ class Server:
                 del self._inflight[key]
             inflight.done.set()
 
-    def _run_loader(self, key: str, request: Get, payload: bytes) -> Entry:
+    def _run_loader(self, key: str, request: Get, payload: bytes, *, background: bool = False) -> Entry:
         started = time.monotonic()
         refs = request.call.refs
         closure = self.store.closure(refs)
@@ -432,7 +487,7 @@ class Server:
         ]
         blob = b"".join(part for e in closure for part in (e.args, e.stream)) + payload
         job = Job(request.call, request.plugins, job_refs, ids, [row for row in index if row[1] in ids],
-                  self.file_segments, request.cwd)  # fmt: skip
+                  self.file_segments, request.cwd, background)  # fmt: skip
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with ours:
             with self.store.lock:
@@ -481,6 +536,7 @@ def serve(
     still resolve against the directory it was started for.
     """
     workdir = os.environ.pop(WORKDIR_ENV, None) or os.getcwd()
+    spawner = os.environ.pop(SPAWNER_ENV, None)
     clean_sys_path()
     path = Path(os.path.abspath(path or runtime_dir() / "server.sock"))
     if persist is not None:
@@ -493,6 +549,9 @@ def serve(
     # stderr (zerocopy_pickle.console); a program that serves in-process decides where they go.
     if not quiet:
         log.info("cache serving on %s (pid %d)", server.path, os.getpid())
+    if spawner is not None and spawner.isdigit():  # the client that started us: its misses of the meantime
+        with contextlib.suppress(OSError):
+            server._start_connection(socket.socket(fileno=int(spawner)))
     started = time.monotonic()
     server.serve_forever()
     if not quiet:

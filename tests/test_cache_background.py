@@ -1,0 +1,126 @@
+"""``ZEROCOPY_PICKLE_CACHE_FILL=background``: a miss is loaded in the caller, as the plain call does, and the
+server's loader loads the same call for the next process at the lowest CPU priority; the caller neither forks nor
+captures. With no server running, the caller starts one and hands it the miss over a socket; a call the loader
+cannot load falls back to the caller's own filing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerocopy_pickle.cache.client import Client
+
+from .cache_helpers import ServerProcess, build_gpt2, private_dir, run_client, running_server, wait_until
+from .conftest import REPO, run_python
+
+pytestmark = pytest.mark.slow
+
+BACKGROUND = {"ZEROCOPY_PICKLE_CACHE_FILL": "background"}
+
+CLIENT = """
+import json, os, sys
+import torch
+from zerocopy_pickle import cache
+from zerocopy_pickle.cache import client
+forks = []
+os.register_at_fork(before=lambda: forks.append(1))
+cache.patch_all(autostart=sys.argv[2] == "autostart")
+from transformers import GPT2LMHeadModel
+if sys.argv[3] == "local":  # a class the server's loader cannot import: its background fill fails
+    class LocalGPT2(GPT2LMHeadModel):
+        pass
+    GPT2LMHeadModel = LocalGPT2
+model = GPT2LMHeadModel.from_pretrained(sys.argv[1])
+with torch.no_grad():
+    logits = model(torch.tensor([[1, 2, 3, 4]])).logits
+client._filer.drain()
+print(json.dumps({"sum": float(logits.double().sum()), "key": cache.cached_key(model), "forks": len(forks),
+                  "cls": type(model).__name__}))
+"""
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_gpt2(tmp_path_factory.mktemp("background") / "gpt2")
+
+
+@pytest.fixture(scope="module")
+def plain_sum(gpt2: str) -> float:
+    from transformers import GPT2LMHeadModel
+
+    with torch.no_grad():
+        return float(GPT2LMHeadModel.from_pretrained(gpt2)(torch.tensor([[1, 2, 3, 4]])).logits.double().sum())
+
+
+@pytest.fixture
+def server() -> Iterator[ServerProcess]:
+    with running_server() as process:
+        yield process
+
+
+def _settled(status: dict[str, object], entries: int) -> bool:
+    listed = status["entries"]
+    assert isinstance(listed, list)
+    return status["filling"] == 0 and len(listed) == entries
+
+
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def test_a_miss_is_loaded_by_the_server_in_the_background_and_the_caller_files_nothing(
+    server: ServerProcess, gpt2: str, plain_sum: float
+) -> None:
+    first = run_client(server, CLIENT, gpt2, "no-autostart", "keep", **BACKGROUND)
+    assert first["sum"] == plain_sum and first["key"] is not None
+    assert first["forks"] == 0  # no filing child: the caller paid the key and one round trip
+    wait_until(lambda: _settled(server.status(), 1), "the background fill")
+    status = server.status()
+    assert (status["hits"], status["misses"]) == (0, 1)
+    (entry,) = status["entries"]
+    assert entry["key"] == first["key"] and "server" in entry["timings"]  # the loader's load, not a put
+    assert status["loader_pid"] is not None and _nice(status["loader_pid"]) == 19  # started for a background fill
+    second = run_client(server, CLIENT, gpt2, "no-autostart", "keep", **BACKGROUND)
+    assert second["sum"] == plain_sum and second["key"] == first["key"] and second["forks"] == 0
+    assert server.status()["hits"] == 1
+
+
+def test_the_first_call_with_no_server_hands_its_miss_to_the_server_it_starts(gpt2: str, plain_sum: float) -> None:
+    with private_dir() as directory:
+        env = {"ZEROCOPY_PICKLE_CACHE_DIR": str(directory), "PYTHONPATH": str(REPO), **BACKGROUND}
+        first = json.loads(run_python(CLIENT, gpt2, "autostart", "keep", env=env).stdout.strip().splitlines()[-1])
+        try:
+            assert first["sum"] == plain_sum and first["forks"] == 0
+
+            def status() -> dict[str, object]:
+                with Client(directory / "server.sock", timeout=30) as client:
+                    return dict(client.request({"op": "status"})[0]["status"])
+
+            wait_until((directory / "server.sock").exists, "the server the first call started")
+            wait_until(lambda: _settled(status(), 1), "the fill the first call handed over")
+            second = json.loads(run_python(CLIENT, gpt2, "autostart", "keep", env=env).stdout.strip().splitlines()[-1])
+            assert second["sum"] == plain_sum and second["key"] == first["key"]
+            assert status()["hits"] == 1
+        finally:
+            with Client(directory / "server.sock", timeout=30) as client:
+                client.request({"op": "stop"})
+
+
+def test_a_call_the_server_cannot_load_is_filed_by_the_next_caller_itself(
+    server: ServerProcess, gpt2: str, plain_sum: float
+) -> None:
+    first = run_client(server, CLIENT, gpt2, "no-autostart", "local", **BACKGROUND)
+    assert first["sum"] == plain_sum and first["cls"] == "LocalGPT2" and first["forks"] == 0
+    wait_until(lambda: server.status()["filling"] == 0, "the background fill to fail")
+    assert server.status()["entries"] == []  # the loader cannot import a class of the caller's __main__
+    assert "in the background failed" in server.read_log()
+    second = run_client(server, CLIENT, gpt2, "no-autostart", "local", **BACKGROUND)
+    assert second["sum"] == plain_sum and second["forks"] >= 1  # told to file its own result: it forked
+    wait_until(lambda: _settled(server.status(), 1), "the second caller's filing")
+    third = run_client(server, CLIENT, gpt2, "no-autostart", "local", **BACKGROUND)
+    assert third["sum"] == plain_sum and third["cls"] == "LocalGPT2" and third["key"] == first["key"]
+    assert server.status()["hits"] == 1
