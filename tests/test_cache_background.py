@@ -38,6 +38,11 @@ model = GPT2LMHeadModel.from_pretrained(sys.argv[1])
 with torch.no_grad():
     logits = model(torch.tensor([[1, 2, 3, 4]])).logits
 client._filer.drain()
+if sys.argv[3] == "linger":  # a process that runs on: it starts the server SPAWN_DELAY after its miss, not at exit
+    import time
+    deadline = time.monotonic() + 120
+    while not client.runtime_dir().joinpath("server.sock").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
 print(json.dumps({"sum": float(logits.double().sum()), "key": cache.cached_key(model), "forks": len(forks),
                   "cls": type(model).__name__}))
 """
@@ -89,10 +94,13 @@ def test_a_miss_is_loaded_by_the_server_in_the_background_and_the_caller_files_n
     assert server.status()["hits"] == 1
 
 
-def test_the_first_call_with_no_server_hands_its_miss_to_the_server_it_starts(gpt2: str, plain_sum: float) -> None:
+@pytest.mark.parametrize("when", ["keep", "linger"])  # the server started at the process's exit, or while it runs
+def test_the_first_call_with_no_server_hands_its_miss_to_the_server_it_starts(
+    gpt2: str, plain_sum: float, when: str
+) -> None:
     with private_dir() as directory:
         env = {"ZEROCOPY_PICKLE_CACHE_DIR": str(directory), "PYTHONPATH": str(REPO), **BACKGROUND}
-        first = json.loads(run_python(CLIENT, gpt2, "autostart", "keep", env=env).stdout.strip().splitlines()[-1])
+        first = json.loads(run_python(CLIENT, gpt2, "autostart", when, env=env).stdout.strip().splitlines()[-1])
         try:
             assert first["sum"] == plain_sum and first["forks"] == 0
 

@@ -903,7 +903,10 @@ def _spawn_server(*, reap: bool, spawner: socket.socket | None = None) -> Path:
             pass_fds=() if spawner is None else (spawner.fileno(),),
         )
     if reap:  # not threading.Thread, whose start() waits until the thread has run (milliseconds when busy)
-        _thread.start_new_thread(_reap_server, (process,))
+        try:
+            _thread.start_new_thread(_reap_server, (process,))
+        except RuntimeError:  # at interpreter shutdown (an exit's hand-over): left to init, as below
+            _UNREAPED.append(process)
     else:  # a filing child: held until its os._exit (a collected running Popen warns), then init's to reap
         _UNREAPED.append(process)
     return log
@@ -918,33 +921,64 @@ def fill_mode() -> str:
     return mode if mode in ("background", "server") else "caller"
 
 
+SPAWN_DELAY = 1.0
+"""Seconds after its first miss with no server running that a process filling in the background starts one
+(or at its exit, if sooner). A server's start costs 0.1-0.2 s of CPU, which beside a busy neighbour comes out of
+the caller's loads: a program that loads for longer than 2 s pays at most a tenth, one that is done sooner
+nothing."""
+
 _spawner: list[socket.socket] = []
-"""This process's end of the socket to the server it started for a background fill, until a server answers."""
+"""This process's end of the socket to the server it started for background fills, until a server answers."""
+_handover: list[tuple[dict[str, Any], bytes]] = []
+"""The misses to be handed to the server this process is about to start (:func:`_fill_in_new_server`)."""
+_handover_lock = threading.Lock()
 
 
 def _fill_in_new_server(request: dict[str, Any]) -> None:
-    """No server answered a miss to be filled in the background: start one (unless this process started one
-    moments ago, still coming up) and hand it the miss over a socket the server serves as its first connection,
-    so the caller waits for nothing. Never raises: without a server, only the cache goes without."""
+    """No server answered a miss to be filled in the background: hand it to the server this process starts
+    :data:`SPAWN_DELAY` seconds after its first such miss, or at its exit (:func:`_hand_over`), over a socket the
+    server serves as its first connection, so that the caller waits for nothing and the server's start does not
+    compete with the loads that follow. Never raises: without a server, only the cache goes without."""
     get = dataclasses.replace(request["get"], fill=True, background=True)
-    try:
-        if _claim_spawn():
+    with _handover_lock:
+        _handover.append((get.encode(), request["payload"]))
+        first = len(_handover) == 1 and not _spawner
+    if first:
+        with contextlib.suppress(RuntimeError):  # no thread at interpreter shutdown: the exit hands them over
+            _thread.start_new_thread(_hand_over_later, ())
+    elif _spawner:
+        _hand_over()
+
+
+def _hand_over_later() -> None:
+    time.sleep(SPAWN_DELAY)
+    _hand_over()
+
+
+def _hand_over() -> None:
+    """Start the server (once) and send it the misses waiting to be handed over."""
+    with _handover_lock:
+        if not _handover:
+            return
+        try:
+            if not _spawner:
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    _spawn_server(reap=True, spawner=theirs)
+                except BaseException:
+                    ours.close()
+                    raise
+                finally:
+                    theirs.close()
+                ours.settimeout(1.0)
+                _spawner.append(ours)
+            while _handover:  # the server answers each with a Miss, never read: the socket is closed unread
+                header, payload = _handover.pop(0)
+                send(_spawner[0], header, payload)
+        except Exception as e:
+            _handover.clear()
             _close_spawner()
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                _spawn_server(reap=True, spawner=theirs)
-            except BaseException:
-                ours.close()
-                raise
-            finally:
-                theirs.close()
-            ours.settimeout(1.0)
-            _spawner.append(ours)
-        if _spawner:  # the server answers each with a Miss, never read: the socket is closed unread
-            send(_spawner[0], get.encode(), request["payload"])
-    except Exception as e:
-        _close_spawner()
-        log.info("could not hand %s to a new cache server (%s)", get.describe or "a call", e)
+            log.info("could not hand misses to a new cache server (%s)", e)
 
 
 def _close_spawner() -> None:
@@ -954,6 +988,7 @@ def _close_spawner() -> None:
 
 
 atexit.register(_close_spawner)  # closed, not collected open (which warns ResourceWarning)
+atexit.register(_hand_over)  # before the socket is closed (atexit runs the last registered first)
 
 
 def cached_call(

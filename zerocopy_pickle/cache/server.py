@@ -19,6 +19,7 @@ Run with ``zerocopy-pickle serve`` (``--max-bytes``, ``--persist DIR``), or let 
 
 from __future__ import annotations
 
+import _thread
 import collections
 import contextlib
 import fcntl
@@ -66,10 +67,13 @@ log = logging.getLogger(__name__)
 
 LOADER_TIMEOUT = 3600.0
 
-_NICE_LOADER = ["-c", "import os, runpy; os.nice(19); "
-                      "runpy.run_module('zerocopy_pickle.cache.loader', run_name='__main__', alter_sys=True)"]
-"""The zygote started for a background fill: at nice 19 before it imports anything (the loader module imports
-torch: 0.9 s of CPU), not only once ``zygote_main`` runs."""
+_NICE_LOADER = [
+    "-c",
+    "import os, runpy; os.nice(19); "
+    "runpy.run_module('zerocopy_pickle.cache.loader', run_name='__main__', alter_sys=True)",
+]
+"""How the zygote of a background fill is started: at nice 19 before it imports anything (the loader module
+imports torch: 0.9 s of CPU), not only once ``zygote_main`` runs (no ``preexec_fn``: the server has threads)."""
 
 MAX_FILLING = 64
 """Background fills running or waiting at once; a miss beyond them is the client's to file."""
@@ -128,6 +132,7 @@ class Server:
         self._inflight: dict[str, _Inflight] = {}
         self._inflight_lock = threading.Lock()
         self._filling = 0  # background fills running or waiting (status: "filling")
+        self._fills: set[str] = set()  # their keys
         self._unloadable: collections.OrderedDict[str, str] = collections.OrderedDict()  # failed background fills
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_socket: socket.socket | None = None
@@ -226,8 +231,12 @@ class Server:
         )
         # Started in the private runtime directory: what Python puts first on its sys.path is only ours.
         self._zygote = subprocess.Popen(
-            [sys.executable, *(_NICE_LOADER if background else ["-m", "zerocopy_pickle.cache.loader"]),
-             str(child.fileno()), *(["background"] if background else [])],  # fmt: skip
+            [
+                sys.executable,
+                *(_NICE_LOADER if background else ["-m", "zerocopy_pickle.cache.loader"]),
+                str(child.fileno()),
+                *(["background"] if background else []),
+            ],
             pass_fds=[child.fileno()],
             env=env,
             cwd=self.path.parent,
@@ -365,8 +374,12 @@ class Server:
         if entry is None and request.fill:  # the client loads it itself, now, and sends it (a put)
             # unless a process found its result cannot be captured, and the files it depends on are the same
             uncacheable = self.store.uncacheable(key)
-            filling = request.background and uncacheable is None and self._fill_later(key, request, payload)
-            send(conn, Miss(self.file_segments, uncacheable, filling).encode())
+            filling = request.background and uncacheable is None and self._claim_fill(key)
+            try:
+                send(conn, Miss(self.file_segments, uncacheable, bool(filling)).encode())
+            finally:  # after the reply, the caller going on first; also when it has gone (a hand-over at exit)
+                if filling == "start":
+                    self._start_fill(key, request, payload)
             return
         if entry is None:
             entry = self._load(key, request, payload)
@@ -412,27 +425,31 @@ class Server:
         self.store.add(entry, new_fd, fds[int(result.new_segment) :])
         send(conn, Done().encode())
 
-    def _fill_later(self, key: str, request: Get, payload: bytes) -> bool:
-        """Load ``request`` in the loader for the next process, without anybody waiting (a background fill);
-        whether it is being loaded now. Not when its load failed before (``_unloadable``: the client then files
-        its own result, as without ``background``)."""
+    def _claim_fill(self, key: str) -> bool | str:
+        """Whether the loader will load ``key`` for the next process, without anybody waiting (a background
+        fill): ``"start"`` when the caller is to start it (:meth:`_fill`, counted from now), True when another
+        process's miss is loading it already, False when it is the client's to file (its load failed before:
+        ``_unloadable``; or :data:`MAX_FILLING` fills are under way)."""
         with self._inflight_lock:
             if key in self._unloadable:
                 self._unloadable.move_to_end(key)
                 return False
-            if key in self._inflight:  # another process's miss is loading it already
+            if key in self._inflight or key in self._fills:
                 return True
             if self._filling >= MAX_FILLING:
                 return False
             self._filling += 1
-        try:
-            threading.Thread(target=self._fill, args=(key, request, payload), name="zerocopy_pickle-cache-fill",
-                             daemon=True).start()  # fmt: skip
+            self._fills.add(key)
+            return "start"
+
+    def _start_fill(self, key: str, request: Get, payload: bytes) -> None:
+        try:  # not threading.Thread, whose start() waits until the thread has run (milliseconds when busy)
+            _thread.start_new_thread(self._fill, (key, request, payload))
         except BaseException:
             with self._inflight_lock:
                 self._filling -= 1
+                self._fills.discard(key)
             raise
-        return True
 
     def _fill(self, key: str, request: Get, payload: bytes) -> None:
         """A background fill's thread: wait for the fills of the entries the call's arguments reference (a
@@ -454,6 +471,7 @@ class Server:
         finally:
             with self._inflight_lock:
                 self._filling -= 1
+                self._fills.discard(key)
 
     def _load(self, key: str, request: Get, payload: bytes, *, background: bool = False) -> Entry:
         with self._inflight_lock:
