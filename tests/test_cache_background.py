@@ -132,3 +132,23 @@ def test_a_call_the_server_cannot_load_is_filed_by_the_next_caller_itself(
     third = run_client(server, CLIENT, gpt2, "no-autostart", "local", **BACKGROUND)
     assert third["sum"] == plain_sum and third["cls"] == "LocalGPT2" and third["key"] == first["key"]
     assert server.status()["hits"] == 1
+
+
+def test_a_background_fill_waits_until_no_call_has_come_for_the_quiet_period_or_the_longest_wait(
+    gpt2: str, plain_sum: float
+) -> None:
+    # A quiet period and a longest wait of an hour: the caller has returned and exited, the fill still waits
+    # (it would compete with the caller's next loads); the loader was not even started.
+    with running_server("--fill-delay", "3600", "3600") as server:
+        first = run_client(server, CLIENT, gpt2, "no-autostart", "keep", **BACKGROUND)
+        assert first["sum"] == plain_sum and first["forks"] == 0
+        status = server.status()
+        assert (status["filling"], status["entries"], status["loader_pid"]) == (1, [], None)
+        again = run_client(server, CLIENT, gpt2, "no-autostart", "keep", **BACKGROUND)  # claimed: not filed twice
+        assert again["sum"] == plain_sum and again["forks"] == 0 and server.status()["filling"] == 1
+    # However busy the server is with calls, a fill starts at its longest wait (here at once).
+    with running_server("--fill-delay", "3600", "0") as server:
+        first = run_client(server, CLIENT, gpt2, "no-autostart", "keep", **BACKGROUND)
+        wait_until(lambda: _settled(server.status(), 1), "the background fill at its longest wait")
+        second = run_client(server, CLIENT, gpt2, "no-autostart", "keep", **BACKGROUND)
+        assert second["sum"] == plain_sum and second["key"] == first["key"] and server.status()["hits"] == 1

@@ -186,7 +186,18 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    "argv", [[], ["inspect"], ["inspect", "a", "b"], ["frobnicate"], ["scan", "--nope", "f"], ["-v", "-q", "native"]]
+    "argv",
+    [
+        [],
+        ["inspect"],
+        ["inspect", "a", "b"],
+        ["frobnicate"],
+        ["scan", "--nope", "f"],
+        ["-v", "-q", "native"],
+        ["serve", "--fill-delay", "soon", "30"],
+        ["serve", "--fill-delay", "-1", "30"],
+        ["serve", "--fill-delay", "1"],
+    ],
 )
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:

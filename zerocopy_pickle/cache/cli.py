@@ -90,10 +90,22 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 8G, 512M or 1000000") from None
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from .server import serve
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds like 0.5 or 30")
+    return seconds
 
-    serve(max_bytes=args.max_bytes, persist=Path(args.persist) if args.persist else None, copy_files=args.copy_files)
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server import FILL_DELAY, serve
+
+    quiet, longest = args.fill_delay or FILL_DELAY
+    serve(max_bytes=args.max_bytes, persist=Path(args.persist) if args.persist else None, copy_files=args.copy_files,
+          fill_delay=(quiet, longest))  # fmt: skip
     return 0
 
 
@@ -164,6 +176,15 @@ def add_cache_commands(sub: Any) -> None:
         action="store_true",
         help="copy every storage into the cache's memory, even those that are untouched views of a checkpoint "
         "file (by default the cache references such files instead)",
+    )
+    p.add_argument(
+        "--fill-delay",
+        type=_seconds,
+        nargs=2,
+        default=None,
+        metavar=("QUIET", "MAX"),
+        help="start a background fill (ZEROCOPY_PICKLE_CACHE_FILL=background) once no call has reached the server "
+        "for QUIET seconds, and at most MAX seconds after its miss (default: 0.5 30)",
     )
     p.set_defaults(func=_serve)
     p = sub.add_parser(

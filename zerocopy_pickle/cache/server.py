@@ -80,6 +80,13 @@ MAX_FILLING = 64
 MAX_UNLOADABLE = 4096
 """Keys whose background fill failed, remembered (the least recently asked for forgotten first)."""
 
+FILL_DELAY = (0.5, 30.0)
+"""When a background fill starts: once no call (a hit, a miss or a filing) has reached the server for the first
+many seconds, and at the latest the second many seconds after its miss (``serve --fill-delay QUIET MAX``). A
+program loads its models one after another: a fill that starts meanwhile, even at nice 19, competes with it for
+memory and the page allocator (on the development VM, a fill or a zygote's imports beside a busy neighbour made the
+caller's own loads 1.5-1.7x slower; measured in docs/benchmark.md)."""
+
 MAX_CONNECTIONS = 64
 """Client connections served at once, each by a thread of its own (a client holds one per call, for the call's
 request and reply): one more is answered with a refusal and closed, and counted."""
@@ -109,6 +116,7 @@ class Server:
             zygote itself runs in the socket's (private) directory. Default: the working directory.
         max_connections: connections served at once (:data:`MAX_CONNECTIONS`).
         idle_timeout: seconds a connection may send nothing before it is closed (:data:`IDLE_TIMEOUT`).
+        fill_delay: when background fills start (:data:`FILL_DELAY`: the quiet period and the longest wait).
     """
 
     def __init__(
@@ -122,6 +130,7 @@ class Server:
         workdir: str | None = None,
         max_connections: int = MAX_CONNECTIONS,
         idle_timeout: float = IDLE_TIMEOUT,
+        fill_delay: tuple[float, float] = FILL_DELAY,
     ) -> None:
         self.path = path
         self.workdir = workdir if workdir is not None else os.getcwd()
@@ -132,8 +141,10 @@ class Server:
         self._inflight: dict[str, _Inflight] = {}
         self._inflight_lock = threading.Lock()
         self._filling = 0  # background fills running or waiting (status: "filling")
-        self._fills: set[str] = set()  # their keys
+        self._fills: dict[str, threading.Event] = {}  # their keys, each set when its fill is over
         self._unloadable: collections.OrderedDict[str, str] = collections.OrderedDict()  # failed background fills
+        self.fill_delay = fill_delay
+        self._last_call = time.monotonic()  # when a hit, miss or filing last arrived (background fills wait)
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_socket: socket.socket | None = None
         self._zygote_lock = threading.Lock()
@@ -199,9 +210,8 @@ class Server:
                 send(conn, Failure(f"the cache server serves {self.max_connections} connections at once, its "
                                    "limit: refused (the call loads directly)").encode())  # fmt: skip
             return
-        try:
-            threading.Thread(target=self._serve_connection, args=(conn,), name="zerocopy_pickle-cache-conn",
-                             daemon=True).start()  # fmt: skip
+        try:  # not threading.Thread, whose start() waits until the thread has run: a wake-up more per request
+            _thread.start_new_thread(self._serve_connection, (conn,))
         except BaseException:
             self._connections.release()
             conn.close()
@@ -368,6 +378,7 @@ class Server:
             send(conn, Pong(os.getpid()).encode())
 
     def _get(self, conn: socket.socket, request: Get, payload: bytes) -> None:
+        self._last_call = time.monotonic()
         key = request.key
         entry = self.store.get(key)
         hit = entry is not None
@@ -400,6 +411,7 @@ class Server:
         is kept. The new segment must be a sealed memfd and the files regular files (``Store.add`` checks), and
         every entry the call's arguments reference must still be cached.
         """
+        self._last_call = time.monotonic()
         get, result = request.request, request.result
         try:
             if request.args_nbytes > len(payload):
@@ -439,7 +451,7 @@ class Server:
             if self._filling >= MAX_FILLING:
                 return False
             self._filling += 1
-            self._fills.add(key)
+            self._fills[key] = threading.Event()
             return "start"
 
     def _start_fill(self, key: str, request: Get, payload: bytes) -> None:
@@ -448,18 +460,37 @@ class Server:
         except BaseException:
             with self._inflight_lock:
                 self._filling -= 1
-                self._fills.discard(key)
+                self._fills.pop(key).set()
             raise
 
+    def _wait_until_quiet(self) -> bool:
+        """Wait until no call has reached the server for ``fill_delay[0]`` seconds, or ``fill_delay[1]`` seconds
+        have passed; False if the server stops meanwhile."""
+        quiet, longest = self.fill_delay
+        deadline = time.monotonic() + longest
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            until = min(self._last_call + quiet, deadline)
+            if now >= until:
+                return True
+            self.stopping.wait(until - now)
+        return False
+
     def _fill(self, key: str, request: Get, payload: bytes) -> None:
-        """A background fill's thread: wait for the fills of the entries the call's arguments reference (a
-        pipeline's ``vae=vae`` is filed after the ``vae``), then load the call. A failure is logged and remembered
-        (at most :data:`MAX_UNLOADABLE` keys): the next miss of the key is the client's to file."""
+        """A background fill's thread: wait until the callers are quiet (:data:`FILL_DELAY`) and for the fills of
+        the entries the call's arguments reference (a pipeline's ``vae=vae`` is filed after the ``vae``), then load
+        the call. A failure is logged and remembered (at most :data:`MAX_UNLOADABLE` keys): the next miss of the
+        key is the client's to file."""
         try:
-            for ref in request.call.refs:
+            if not self._wait_until_quiet():
+                return
+            for ref in request.call.refs:  # a fill of its own (waiting, as this one did) or a load under way
                 with self._inflight_lock:
+                    fill = self._fills.get(ref)
                     waiting = self._inflight.get(ref)
-                if waiting is not None:
+                if fill is not None:
+                    fill.wait(self.loader_timeout)
+                elif waiting is not None:
                     waiting.done.wait(self.loader_timeout)
             self._load(key, request, payload, background=True)
         except Exception as e:
@@ -471,7 +502,7 @@ class Server:
         finally:
             with self._inflight_lock:
                 self._filling -= 1
-                self._fills.discard(key)
+                self._fills.pop(key).set()
 
     def _load(self, key: str, request: Get, payload: bytes, *, background: bool = False) -> Entry:
         with self._inflight_lock:
@@ -551,6 +582,7 @@ def serve(
     path: Path | None = None,
     quiet: bool = False,
     copy_files: bool = False,
+    fill_delay: tuple[float, float] = FILL_DELAY,
 ) -> None:
     """Run a cache server in this process until it is stopped (``zerocopy-pickle stop`` or SIGTERM).
 
@@ -565,7 +597,8 @@ def serve(
     if persist is not None:
         persist = Path(workdir, persist)
     os.chdir(path.parent)
-    server = Server(path, max_bytes=max_bytes, persist=persist, file_segments=not copy_files, workdir=workdir)
+    server = Server(path, max_bytes=max_bytes, persist=persist, file_segments=not copy_files, workdir=workdir,
+                    fill_delay=fill_delay)  # fmt: skip
     server.bind()
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     # Log records, not prints: `zerocopy-pickle serve` and `python -m zerocopy_pickle.cache serve` send them to
