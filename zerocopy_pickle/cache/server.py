@@ -210,8 +210,9 @@ class Server:
                 send(conn, Failure(f"the cache server serves {self.max_connections} connections at once, its "
                                    "limit: refused (the call loads directly)").encode())  # fmt: skip
             return
-        try:  # not threading.Thread, whose start() waits until the thread has run: a wake-up more per request
-            _thread.start_new_thread(self._serve_connection, (conn,))
+        try:
+            threading.Thread(target=self._serve_connection, args=(conn,), name="zerocopy_pickle-cache-conn",
+                             daemon=True).start()  # fmt: skip
         except BaseException:
             self._connections.release()
             conn.close()
