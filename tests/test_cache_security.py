@@ -500,8 +500,9 @@ def exchange(server: Server, data: bytes, fds: list[int] | None = None, payload:
     return reply, closed
 
 
-def connection_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "zerocopy_pickle-cache-conn"]
+def os_threads() -> int:
+    """The threads of this process as the kernel counts them (connection threads are not ``threading.Thread``)."""
+    return len(os.listdir("/proc/self/task"))
 
 
 def wait_until(condition: Any, tries: int = 60_000) -> bool:
@@ -650,7 +651,7 @@ def test_every_malformed_header_is_answered_and_the_server_serves_on(name: str) 
         assert reply["ok"] is False and ("protocol error" in reply["error"] or "malformed" in reply["error"]), reply
         assert alive(server) and server.store.status()["entries"] == []
         assert not server.stopping.is_set(), "a duplicate 'op' is refused, not taken as its last value"
-        assert wait_until(lambda: not connection_threads())  # each connection's thread ended, none left behind
+        assert wait_until(lambda: server.connections == 0)  # each connection's thread ended, none left behind
 
 
 def test_brackets_and_digits_inside_strings_are_only_text() -> None:
@@ -735,7 +736,8 @@ def test_connections_beyond_the_cap_are_refused_counted_and_start_no_thread() ->
                 client = Client(server.path, timeout=60)
                 held.append(client)
                 assert client.request({"op": "ping"})[0]["ok"]
-            assert len(connection_threads()) == cap
+            assert server.connections == cap
+            threads = os_threads()
             for _ in range(3):
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as extra:
                     extra.settimeout(60)
@@ -744,15 +746,17 @@ def test_connections_beyond_the_cap_are_refused_counted_and_start_no_thread() ->
                     assert reply["ok"] is False and f"{cap} connections at once" in reply["error"], reply
                     assert extra.recv(1) == b""  # closed at once
             assert server.refused_connections == 3
-            assert len(connection_threads()) == cap
+            assert server.connections == cap
+            assert os_threads() <= threads  # the refusals started no thread (one of another test may have ended)
         finally:
             for client in held:
                 client.close()
         # The slots come back as their connections end (waited for, not timed).
-        assert wait_until(lambda: not connection_threads())
+        assert wait_until(lambda: server.connections == 0)
         with Client(server.path, timeout=60) as client:
             status = client.request({"op": "status"})[0]["status"]
         assert status["refused_connections"] >= 3 and status["max_connections"] == cap
+        assert status["connections"] == 1  # the connection asking
 
 
 def test_a_connection_that_sends_nothing_is_closed_after_the_idle_timeout() -> None:

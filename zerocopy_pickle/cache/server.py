@@ -154,7 +154,8 @@ class Server:
         self._learned: set[str] = set()  # modules loader children imported: preloaded into every new zygote
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
-        self._connections = threading.BoundedSemaphore(max_connections)  # a slot per connection thread
+        self._connections_lock = threading.Lock()
+        self.connections = 0  # connection threads started and not yet ended (at most max_connections)
         self.refused_connections = 0  # connections answered with a refusal: the server served its limit
 
     # -- lifecycle --------------------------------------------------------------------------------------------
@@ -203,20 +204,29 @@ class Server:
     def _start_connection(self, conn: socket.socket) -> None:
         """Serve ``conn`` on a thread of its own if fewer than ``max_connections`` are served, else refuse it
         (without waiting for the peer: the accepting thread never blocks on one)."""
-        if not self._connections.acquire(blocking=False):
+        with self._connections_lock:
+            full = self.connections >= self.max_connections
+            if not full:
+                self.connections += 1
+        if full:
             self.refused_connections += 1
             with conn, contextlib.suppress(OSError):
                 conn.setblocking(False)
                 send(conn, Failure(f"the cache server serves {self.max_connections} connections at once, its "
                                    "limit: refused (the call loads directly)").encode())  # fmt: skip
             return
+        # Not threading.Thread: its start() waits until the new thread has run, and beside a CPU-bound neighbour
+        # that wait was 0.6-4.5 ms of every miss's round trip (busy small-set miss 1.17x -> 1.10x plain).
         try:
-            threading.Thread(target=self._serve_connection, args=(conn,), name="zerocopy_pickle-cache-conn",
-                             daemon=True).start()  # fmt: skip
+            _thread.start_new_thread(self._serve_connection, (conn,))
         except BaseException:
-            self._connections.release()
+            self._connection_ended()
             conn.close()
             raise
+
+    def _connection_ended(self) -> None:
+        with self._connections_lock:
+            self.connections -= 1
 
     def stop(self) -> None:
         self.stopping.set()
@@ -311,7 +321,7 @@ class Server:
                 conn.settimeout(self.idle_timeout)
                 self._serve_requests(conn)
         finally:
-            self._connections.release()
+            self._connection_ended()
 
     def _serve_requests(self, conn: socket.socket) -> None:
         _, uid, _ = peer_credentials(conn)
@@ -367,7 +377,7 @@ class Server:
             ready = zygote is not None and self._zygote_ready.is_set()
             status = {**self.store.status(), "pid": os.getpid(), "loader_pid": zygote, "loader_ready": ready,
                       "filling": self._filling,
-                      "max_connections": self.max_connections,
+                      "connections": self.connections, "max_connections": self.max_connections,
                       "refused_connections": self.refused_connections}  # fmt: skip
             send(conn, StatusReply(status).encode())
         elif isinstance(request, Clear):
