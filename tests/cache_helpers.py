@@ -146,6 +146,16 @@ def build_gpt2(directory: Path, seed: int = 0) -> str:
     return str(directory)
 
 
+def gpt2_logits_sum(path: str) -> float:
+    """The sum of the logits of the GPT-2 at ``path`` on a fixed prompt, loaded plainly (what a cached load of it
+    must reproduce bit for bit: the client scripts print the same sum)."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    with torch.no_grad():
+        return float(GPT2LMHeadModel.from_pretrained(path)(torch.tensor([[1, 2, 3, 4]])).logits.double().sum())
+
+
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
     """Poll ``condition`` until it holds. ``timeout`` only bounds a hang (it fails the test); it never paces one."""
     deadline = time.monotonic() + timeout

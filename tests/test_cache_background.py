@@ -10,11 +10,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from zerocopy_pickle.cache.client import Client
 
-from .cache_helpers import ServerProcess, build_gpt2, private_dir, run_client, running_server, wait_until
+from .cache_helpers import (
+    ServerProcess,
+    build_gpt2,
+    gpt2_logits_sum,
+    private_dir,
+    run_client,
+    running_server,
+    wait_until,
+)
 from .conftest import REPO, run_python
 
 pytestmark = pytest.mark.slow
@@ -55,10 +62,7 @@ def gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def plain_sum(gpt2: str) -> float:
-    from transformers import GPT2LMHeadModel
-
-    with torch.no_grad():
-        return float(GPT2LMHeadModel.from_pretrained(gpt2)(torch.tensor([[1, 2, 3, 4]])).logits.double().sum())
+    return gpt2_logits_sum(gpt2)
 
 
 @pytest.fixture

@@ -10,14 +10,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from zerocopy_pickle import arena
 from zerocopy_pickle.cache import protocol
 from zerocopy_pickle.cache.client import Client
 from zerocopy_pickle.cache.messages import BufferRow, Call, Get, JobResult, Put
 
-from .cache_helpers import ServerProcess, build_gpt2, private_dir, run_client, running_server, wait_until
+from .cache_helpers import (
+    ServerProcess,
+    build_gpt2,
+    gpt2_logits_sum,
+    private_dir,
+    run_client,
+    running_server,
+    wait_until,
+)
 from .conftest import REPO, run_python
 
 pytestmark = pytest.mark.slow
@@ -56,10 +63,7 @@ def gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def plain_sum(gpt2: str) -> float:
-    from transformers import GPT2LMHeadModel
-
-    with torch.no_grad():
-        return float(GPT2LMHeadModel.from_pretrained(gpt2)(torch.tensor([[1, 2, 3, 4]])).logits.double().sum())
+    return gpt2_logits_sum(gpt2)
 
 
 @pytest.fixture
