@@ -191,29 +191,44 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _stop_started_server(directory: Path, wait: float = 10.0) -> None:
-    """Stop the server a run started in ``directory`` (if one started), by its pid and its loader's."""
+def _started_in(directory: Path) -> list[int]:
+    """Pids of the live processes whose environment names ``directory`` as their cache directory: the server a run
+    started there, its loader and the loader's children (they inherit the run's environment)."""
+    marker = f"\0{DIR_ENV}={directory}\0".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:  # gone, or a zombie
+                continue
+            if marker in b"\0" + environ + b"\0" and _alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def _stop_started_server(directory: Path, wait: float = 120.0) -> None:
+    """Stop the server a run started in ``directory`` (if one started) and everything it started.
+
+    The processes are found by their environment, not by asking the server: on a busy machine a server the run
+    started at its exit may still be importing when this is called. It is asked to stop once it answers (or
+    ``wait`` seconds have passed); whatever of it is still alive after that is killed, so nothing outlives
+    this call whatever the machine's load."""
     deadline = time.monotonic() + wait
-    status = None
-    while status is None and time.monotonic() < deadline:
+    while _started_in(directory) and time.monotonic() < deadline:
         try:
-            with Client(directory / "server.sock", timeout=5) as client:
-                reply, _, _ = client.request(StatusRequest())
-            status = StatusReply.decode(reply).status
-        except CacheError:
-            time.sleep(0.1)
-    if status is None:
-        return
-    pids = [pid for pid in (status.get("pid"), status.get("loader_pid")) if isinstance(pid, int)]
-    with contextlib.suppress(CacheError), Client(directory / "server.sock", timeout=5) as client:
-        client.request(Stop())
-    deadline = time.monotonic() + wait
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            with Client(directory / "server.sock", timeout=wait) as client:
+                client.request(Stop())
+            break
+        except CacheError:  # not listening yet
+            time.sleep(0.05)
+    while _started_in(directory) and time.monotonic() < deadline:
         time.sleep(0.05)
-    for pid in pids:
-        if _alive(pid):
+    while pids := _started_in(directory):  # past the deadline: kill (a loader's children are found too)
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
 
 
 def _wait_for_fills(directory: Path, wait: float = 600.0) -> None:
