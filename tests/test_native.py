@@ -275,6 +275,7 @@ def test_native_storage_freed_on_another_thread(native_storage: native.StorageFr
     m.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend_env", BACKENDS)
 def test_no_crash_after_dropping_every_other_reference(
     request: pytest.FixtureRequest, tmp_path: Path, backend_env: str
@@ -484,6 +485,7 @@ def test_auto_uses_only_a_cached_build_and_never_compiles(tmp_path: Path) -> Non
 
 def test_cache_directory_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv(native.CACHE_ENV, raising=False)
+    monkeypatch.delenv("ZEROCOPY_PICKLE_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert native.cache_dir() == tmp_path / "xdg" / "zerocopy_pickle"
     monkeypatch.delenv("XDG_CACHE_HOME")
@@ -494,6 +496,23 @@ def test_cache_directory_follows_the_environment(monkeypatch: pytest.MonkeyPatch
     path = native.extension_path()
     assert path.parent.parent == tmp_path / "explicit" / "native"
     assert torch.__version__ in path.parent.name and path.suffix == ".so"
+
+
+def test_the_library_files_earlier_variable_is_still_read_and_the_new_one_wins(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from zerocopy_pickle import remote
+
+    assert native.CACHE_ENV == "ZEROCOPY_PICKLE_HOME"
+    monkeypatch.delenv("ZEROCOPY_PICKLE_HOME", raising=False)
+    monkeypatch.delenv(remote.DIR_ENV, raising=False)
+    monkeypatch.setenv("ZEROCOPY_PICKLE_CACHE", str(tmp_path / "old"))
+    assert native.cache_dir() == tmp_path / "old"
+    assert remote.remote_dir() == tmp_path / "old" / "remote"
+    monkeypatch.setenv("ZEROCOPY_PICKLE_HOME", str(tmp_path / "new"))
+    assert native.cache_dir() == tmp_path / "new"
+    assert native.extension_path().parent.parent == tmp_path / "new" / "native"
+    assert remote.remote_dir() == tmp_path / "new" / "remote"
 
 
 def test_the_source_ships_where_the_package_finds_it() -> None:
@@ -542,6 +561,7 @@ def test_forced_native_without_a_compiler_fails_at_import_with_our_error(tmp_pat
     assert "no C++ compiler" in out[1]
 
 
+@pytest.mark.slow
 def test_a_build_that_fails_raises_and_auto_stays_python(tmp_path: Path) -> None:
     if _toolchain_missing():
         pytest.skip("no C++ toolchain")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from .errors import ArgumentError, PluginError
+from .names import GlobalName
 from .reducers import Reducer
 
 __all__ = [
@@ -96,12 +97,12 @@ def check_safe_global(obj: object, home: str | None = None, *, plugin: str | Non
 
 
 def _split_pair(item: str) -> tuple[str, str]:
-    module, sep, qualname = item.partition(":")
-    if not sep or not module or not qualname or not qualname.isidentifier() or module.startswith("."):
+    name = GlobalName.parse(item)
+    if name is None or not name.qualname.isidentifier() or name.module.startswith("."):
         raise ArgumentError(
             f"safe global {item!r} must have the form 'module:function' (a module-level function's name)"
         )
-    return module, qualname
+    return name.pair
 
 
 def global_pairs(

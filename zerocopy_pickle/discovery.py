@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .declarations import PluginInfo, top_package
+from .names import GlobalName
 
 __all__ = ["DISABLE_ENV", "ENTRY_POINT_GROUP", "Found", "PluginWarning", "entry_points", "resolve_name", "warn_failed"]
 
@@ -63,9 +64,9 @@ def warn_failed(info: PluginInfo) -> None:
 
 
 def resolve_name(name: str) -> Any:
-    """Import ``"package.module:Qualified.name"`` and return the object it names (factories, cache loaders)."""
-    module, _, qualname = name.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
+    """Import ``"package.module:Qualified.name"`` and return the object it names (factories, cache loaders); the
+    import's or the attribute walk's own error if that fails (``ValueError`` if ``name`` is not of that form)."""
+    parsed = GlobalName.parse(name)
+    if parsed is None:
+        raise ValueError(f"{name!r} is not a 'module:qualname' name")
+    return parsed.lookup()

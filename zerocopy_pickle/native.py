@@ -32,8 +32,9 @@ module is imported (by the first use of the snapshot API: ``import zerocopy_pick
 
 Building happens at run time only, through ``torch.utils.cpp_extension`` (a C++ compiler and ninja on the
 machine; pybind11 comes with torch's headers): ``pip install`` never compiles anything and never needs torch
-in an isolated build environment. Builds are cached under ``$ZEROCOPY_PICKLE_CACHE``, else
-``$XDG_CACHE_HOME/zerocopy_pickle``, else ``~/.cache/zerocopy_pickle``, in a folder keyed by the torch version,
+in an isolated build environment. Builds are kept under ``native/`` in the library's files
+(``$ZEROCOPY_PICKLE_HOME``, else its earlier name ``$ZEROCOPY_PICKLE_CACHE``, else
+``$XDG_CACHE_HOME/zerocopy_pickle``, else ``~/.cache/zerocopy_pickle``), in a folder keyed by the torch version,
 the Python version and a hash of the source and flags; a thread lock and a file lock make concurrent builds
 (threads or processes) build once, and a finished extension appears in the cache atomically.
 """
@@ -63,6 +64,7 @@ from typing import Any, cast
 import torch
 
 from .errors import ArgumentError, ZeroCopyPickleError
+from .home import HOME_ENV, home_dir
 
 __all__ = [
     "CACHE_ENV",
@@ -82,7 +84,8 @@ __all__ = [
 ]
 
 ENV = "ZEROCOPY_PICKLE_NATIVE"
-CACHE_ENV = "ZEROCOPY_PICKLE_CACHE"
+CACHE_ENV = HOME_ENV
+"""Where builds are kept (``ZEROCOPY_PICKLE_HOME``; its earlier name ``ZEROCOPY_PICKLE_CACHE`` is still read)."""
 EXTRA_CFLAGS = ("-O3",)
 
 _HERE = Path(__file__).resolve().parent
@@ -335,14 +338,10 @@ def status() -> BackendStatus:
 
 
 def cache_dir() -> Path:
-    """The root of this library's cache: ``$ZEROCOPY_PICKLE_CACHE``, else ``$XDG_CACHE_HOME/zerocopy_pickle``,
-    else ``~/.cache/zerocopy_pickle``."""
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "zerocopy_pickle"
+    """The root of this library's files, native builds under ``native/``: ``$ZEROCOPY_PICKLE_HOME``, else
+    ``$ZEROCOPY_PICKLE_CACHE`` (its earlier name), else ``$XDG_CACHE_HOME/zerocopy_pickle``, else
+    ``~/.cache/zerocopy_pickle``. (The name is kept for callers; it is not the model cache's directory.)"""
+    return home_dir()
 
 
 def _build_key() -> tuple[str, str]:

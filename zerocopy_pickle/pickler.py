@@ -37,13 +37,13 @@ from . import rebuild, safeglobals, validate
 from .device import MapLocation, static_target
 from .errors import (
     ArgumentError,
-    MissingGlobalError,
     RestrictedLoadError,
     SnapshotError,
     Unpicklable,
     ZeroCopyPickleError,
 )
 from .format import BufferSpec, PluginRef
+from .names import GlobalName
 from .registry import Registry, default_registry
 from .restricted import AllowList, AllowSpec, stream_uses
 from .semantics import StreamUses
@@ -591,12 +591,7 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         try:
             return super().find_class(module, name)
         except (ImportError, AttributeError) as e:
-            raise MissingGlobalError(
-                f"the stream needs {module}:{name}, which cannot be imported here ({e}); install the package "
-                f"that defines it",
-                module=module,
-                qualname=name,
-            ) from e
+            raise GlobalName(module, name).missing(e) from e
 
 
 # Note [Sparse tensors in loads]: torch's _rebuild_sparse_tensor builds a sparse tensor unchecked and appends it to

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ArgumentError
+from .names import GlobalName
 
 __all__ = ["ReduceFunction", "Reducer", "ReducerTable", "make_reducer", "target_key", "type_key"]
 
@@ -24,14 +25,13 @@ ReduceFunction = Callable[[Any], Any]
 
 def type_key(cls: type) -> str:
     """``"module:QualName"`` of a class, the key reducers are registered under."""
-    return f"{cls.__module__}:{cls.__qualname__}"
+    return str(GlobalName(cls.__module__, cls.__qualname__))
 
 
 def target_key(target: object) -> tuple[str, type | None]:
     """The table key of a reducer target (a type or its ``"module:QualName"``), and the type if one was given."""
     if isinstance(target, str):
-        module, sep, qualname = target.partition(":")
-        if not sep or not module or not qualname or ":" in qualname:
+        if GlobalName.parse(target) is None:
             raise ArgumentError(
                 f"reducer target {target!r} must be a type or a 'module:QualName' string, "
                 f"e.g. 'bitsandbytes.nn.modules:Params4bit'"

@@ -49,6 +49,7 @@ from typing import Any
 
 from . import integrity, progress, sources
 from .errors import ArgumentError, IntegrityError, SnapshotError, ZeroCopyPickleError
+from .home import home_dir
 
 __all__ = [
     "DIR_ENV",
@@ -85,14 +86,12 @@ def is_url(target: object) -> bool:
 
 def remote_dir() -> Path:
     """Where fetched snapshots are kept: ``$ZEROCOPY_PICKLE_REMOTE_DIR``, else ``remote/`` under the library's
-    cache directory (``$ZEROCOPY_PICKLE_CACHE``, ``$XDG_CACHE_HOME/zerocopy_pickle`` or
-    ``~/.cache/zerocopy_pickle``). Nothing is evicted: delete files there to reclaim space."""
+    files (``$ZEROCOPY_PICKLE_HOME``, ``$XDG_CACHE_HOME/zerocopy_pickle`` or ``~/.cache/zerocopy_pickle``).
+    Nothing is evicted: delete files there to reclaim space."""
     explicit = os.environ.get(DIR_ENV)
     if explicit:
         return Path(explicit).expanduser()
-    from .native import cache_dir  # here, not above: native imports torch, and the cache server imports this module
-
-    return cache_dir() / "remote"
+    return home_dir() / "remote"
 
 
 class UnsafeDirectoryError(ZeroCopyPickleError, PermissionError):

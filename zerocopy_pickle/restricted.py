@@ -44,6 +44,7 @@ import torch
 
 from . import rebuild, semantics
 from .errors import ArgumentError, MissingGlobalError, PluginError, RestrictedLoadError, SnapshotError
+from .names import GlobalName
 from .safeglobals import safe_table
 from .semantics import StreamUses
 from .streamcheck import walk_stream
@@ -220,7 +221,7 @@ def _imported_blocked_objects() -> dict[int, object]:
 
 def format_global(pair: tuple[str, str]) -> str:
     """``("collections", "OrderedDict")`` -> ``"collections:OrderedDict"``, the form ``allow=`` takes."""
-    return f"{pair[0]}:{pair[1]}"
+    return str(GlobalName(*pair))
 
 
 def _pair_of(obj: Any) -> tuple[str, str]:
@@ -664,12 +665,12 @@ def _use_error(pair: tuple[str, str], verb: str, reason: str) -> RestrictedLoadE
 def _entry(item: object) -> tuple[tuple[str, str], object]:
     """An ``allow=`` entry as ``(pair, object or None)``."""
     if isinstance(item, str):
-        module, sep, qualname = item.partition(":")
-        if not sep or not module or not qualname or ":" in qualname:
+        name = GlobalName.parse(item)
+        if name is None:
             raise ArgumentError(
                 f"allow= string {item!r} must have the form 'module:qualname', e.g. 'collections:OrderedDict'"
             )
-        return (module, qualname), None
+        return name.pair, None
     if isinstance(item, tuple):
         if len(item) != 2 or not all(isinstance(p, str) and p for p in item):
             raise ArgumentError(f"allow= tuple {item!r:.80} must be (module, qualname), two non-empty strings")
@@ -689,17 +690,7 @@ def _blocked_error(pair: tuple[str, str]) -> RestrictedLoadError:
 def _resolve(module: str, qualname: str) -> object:
     """Import an allowed-by-name global. A dotted qualname must lead to a class that names itself so: walking
     attributes never reaches through a module's globals or onto a method."""
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise MissingGlobalError(
-            f"the stream needs {module}:{qualname}, which cannot be imported here ({e}); install the package "
-            f"that defines it",
-            module=module,
-            qualname=qualname,
-        ) from e
+    obj = GlobalName(module, qualname).resolve()
     if "." in qualname and not (isinstance(obj, type) and obj.__module__ == module and obj.__qualname__ == qualname):
         raise RestrictedLoadError(
             f"refusing to load global {format_global((module, qualname))!r}: a dotted name must lead to the class "

@@ -50,6 +50,7 @@ from typing import Any
 from .. import arena, locate, readahead
 from .._version import __version__
 from ..loadcore import argument
+from ..names import GlobalName
 from . import checkpoints, entries
 from .isolation import SPAWNER_ENV, WORKDIR_ENV, child_environment
 from .messages import (
@@ -65,6 +66,7 @@ from .messages import (
     Put,
     Uncapturable,
 )
+from .points import split_point
 from .protocol import REQUEST, CacheError, ProtocolError, receive, runtime_dir, send, socket_path
 
 __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_result"]
@@ -365,10 +367,10 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
         for path in (hub["snapshot"], hub["refs"]):
             if path is not None:
                 files.setdefault(os.path.realpath(path), _fingerprint(path))
-    module = point.partition(":")[0]
+    module = split_point(point).module
     import torch
 
-    owner = f"{cls.__module__}:{cls.__qualname__}" if cls is not None else None
+    owner = str(GlobalName(cls.__module__, cls.__qualname__)) if cls is not None else None
     material = {
         "point": point,
         "cls": owner,
@@ -384,7 +386,7 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
               for root, rows in files.items() for row in rows]  # fmt: skip
     if len(checks) > MAX_FILE_CHECKS or len(json.dumps(checks)) > REQUEST.header * 3 // 4:  # as the header holds them
         raise Uncacheable(f"the call's arguments name too many files (at most {MAX_FILE_CHECKS}, in a request)")
-    name = f"{cls.__qualname__}.{point.rpartition('.')[2]}" if cls is not None else point.partition(":")[2]
+    name = f"{cls.__qualname__}.{point.rpartition('.')[2]}" if cls is not None else split_point(point).qualname
     shown = next((a for a in args if isinstance(a, (str, os.PathLike))), "")
     return {
         "get": Get(

@@ -35,10 +35,11 @@ from typing import Any
 
 from .. import arena
 from ..discovery import resolve_name
+from ..names import GlobalName
 from . import entries
 from .isolation import WORKDIR_ENV, clean_sys_path
 from .messages import Failure, Job, Preload, Ready
-from .points import all_patch_points
+from .points import all_patch_points, split_point
 from .protocol import CacheError, ProtocolError, receive, send
 
 __all__ = ["LEARNABLE", "PRELOAD", "learnable", "patch_point_modules", "zygote_main"]
@@ -62,7 +63,7 @@ def learnable(name: str) -> bool:
 def patch_point_modules() -> list[str]:
     """The modules that define the patch points (``ModelMixin``, ``DiffusionPipeline``, ``PreTrainedModel``...):
     importing them is most of what a first ``from_pretrained`` costs, and every child needs them."""
-    return [point.partition(":")[0] for point in all_patch_points()]
+    return [split_point(point).module for point in all_patch_points()]
 
 
 def _preload(names: Sequence[str]) -> None:
@@ -203,7 +204,7 @@ def zygote_main(control_fd: int, *, background: bool = False) -> None:
             for fd in fds:
                 os.close(fd)
             break
-        _preload([(name or "").partition(":")[0] for name in (job.call.function, job.call.cls)])
+        _preload([parsed.module for name in (job.call.function, job.call.cls) if (parsed := GlobalName.parse(name))])
         # What the zygote holds is never garbage: out of the collector's sight, a child neither scans it (the
         # libraries are millions of objects: collections cost a child hundreds of milliseconds) nor writes to
         # its pages (which would copy them). The child is short-lived: it does not collect at all.

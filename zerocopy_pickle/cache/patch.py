@@ -20,7 +20,7 @@ from typing import Any
 
 from ..registry import default_registry
 from .client import cached_call
-from .points import DEFAULT_PATCH_POINTS, all_patch_points
+from .points import DEFAULT_PATCH_POINTS, all_patch_points, split_point
 
 __all__ = ["DEFAULT_PATCH_POINTS", "patch_all", "patched_points", "unpatch_all"]
 
@@ -34,7 +34,7 @@ _options: dict[str, Any] = {"autostart": False}
 def _install(point: str, module: ModuleType) -> None:
     if point in _originals:
         return
-    _, _, qualname = point.partition(":")
+    qualname = split_point(point).qualname
     owner: Any = module
     *path, attribute = qualname.split(".")
     for part in path:
@@ -66,7 +66,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Patches pending points right after their module is executed."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
-        modules = {p.partition(":")[0] for p in _pending}
+        modules = {split_point(p).module for p in _pending}
         if fullname not in modules:
             return None
         for finder in sys.meta_path:
@@ -91,7 +91,7 @@ class _PatchingLoader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         self._wrapped.exec_module(module)
         with _lock:
-            for point in [p for p in _pending if p.partition(":")[0] == module.__name__]:
+            for point in [p for p in _pending if split_point(p).module == module.__name__]:
                 _pending.discard(point)
                 _install(point, module)
 
@@ -139,7 +139,7 @@ def patch_all(points: Sequence[str] | None = None, *, autostart: bool = True) ->
     with _lock:
         _options["autostart"] = autostart
         for point in points:
-            module = sys.modules.get(point.partition(":")[0])
+            module = sys.modules.get(split_point(point).module)
             if module is not None:
                 _install(point, module)
             else:

@@ -17,12 +17,15 @@ from __future__ import annotations
 import importlib.metadata
 import warnings
 
+from ..names import GlobalName
+
 __all__ = [
     "DEFAULT_PATCH_POINTS",
     "PATCH_POINT_GROUP",
     "all_patch_points",
     "check_patch_point",
     "declared_patch_points",
+    "split_point",
 ]
 
 PATCH_POINT_GROUP = "zerocopy_pickle.cache_patch_points"
@@ -42,10 +45,17 @@ DEFAULT_PATCH_POINTS = (
 
 def check_patch_point(point: object) -> bool:
     """Whether ``point`` has the form ``"module:qualname"`` (dotted identifiers on both sides)."""
-    if not isinstance(point, str):
-        return False
-    module, sep, qualname = point.partition(":")
-    return bool(sep) and all(p.isidentifier() for part in (module, qualname) for p in part.split("."))
+    name = GlobalName.parse(point)
+    return name is not None and name.dotted
+
+
+def split_point(point: str) -> GlobalName:
+    """A patch point's module and qualified name (the point was checked when it was declared or given:
+    :func:`check_patch_point`; ``ValueError`` otherwise)."""
+    name = GlobalName.parse(point)
+    if name is None or not name.dotted:
+        raise ValueError(f"{point!r} is not a patch point ('module:Class.method' or 'module:function')")
+    return name
 
 
 def declared_patch_points() -> tuple[str, ...]:
