@@ -2,7 +2,8 @@
 #   make demo   set up .venv and run the demo: the model cache serving a locally built ControlNet pipeline,
 #               timed against plain from_pretrained
 #   make test   set up .venv (with stable-fast, built from source) and run everything CI runs: ruff (lint +
-#               format check), lint-imports (import layers), mypy, pytest
+#               format check), lint-imports (import layers), mypy, pytest (the whole suite, in parallel)
+#   make test-fast  the edit-run loop: the tests not marked slow, in parallel; no lint, no type check
 #
 # Every pip step passes constraints.txt: it pins the CPU build of torch.
 
@@ -20,7 +21,7 @@ STAMP  := $(VENV)/.installed
 TESTSTAMP := $(VENV)/.installed-test
 DEMOSTAMP := $(VENV)/.installed-demo
 
-.PHONY: setup setup-test demo docs test lint typecheck pytest bench clean
+.PHONY: setup setup-test demo docs test test-fast lint typecheck pytest bench clean
 
 setup: $(STAMP)
 
@@ -75,8 +76,18 @@ lint: $(TESTSTAMP)
 typecheck: $(TESTSTAMP)
 	$(VENV)/bin/mypy
 
+# The suite runs in pytest-xdist's worker processes, handed out test by test (worksteal: a worker that runs dry
+# takes half of another's queue). Four workers on any machine: most tests wait on the interpreters, servers and
+# workers they start, so more workers than this VM's two cores pays (docs/contributing.md). The tests marked slow
+# are handed out first (tests/conftest.py).
+PYTEST_WORKERS ?= 4
+PARALLEL := -n $(PYTEST_WORKERS) --dist worksteal
+
 pytest: $(TESTSTAMP)
-	ZEROCOPY_PICKLE_STRICT_SKIPS=1 $(PY) -m pytest
+	ZEROCOPY_PICKLE_STRICT_SKIPS=1 $(PY) -m pytest $(PARALLEL)
+
+test-fast: $(TESTSTAMP)
+	ZEROCOPY_PICKLE_STRICT_SKIPS=1 $(PY) -m pytest $(PARALLEL) -m "not slow" -q
 
 test: lint typecheck pytest
 

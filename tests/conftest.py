@@ -254,3 +254,23 @@ def alias_module() -> Iterator[None]:
     sys.modules[test_hostile.ALIAS_MODULE] = module
     yield
     del sys.modules[test_hostile.ALIAS_MODULE]
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the marks added here count for `-m "not slow"` too
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The conformance suite's fresh-interpreter load (``zerocopy_pickle.testing``, a library module that does
+    not import pytest) starts an interpreter that imports the plugin's library: it is marked ``slow`` here, in
+    every plugin's subclass.
+
+    In a parallel run (``make test`` runs pytest-xdist's workers, each collecting the same list), the tests
+    marked ``slow`` are handed out first: the long ones start while every worker is free and the short ones fill
+    the gaps, instead of one worker finishing a queue of long tests alone at the end. The sort is stable, so the
+    order within each group stays the files' own; a serial run keeps the order as collected."""
+    for item in items:
+        if (
+            getattr(getattr(item, "function", None), "__qualname__", "")
+            == "ReducerConformance.test_fresh_interpreter_load"
+        ):
+            item.add_marker(pytest.mark.slow)
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -342,6 +343,7 @@ def nesting_streams(draw: st.DrawFn) -> bytes:
     return PROTO + bytes(prefix) + draw(st.sampled_from(CORES)) + bytes(suffix) + b"."
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(stream=nesting_streams())
 def test_nesting_around_the_bounds_agrees(analyzer: Analyzer, stream: bytes) -> None:
@@ -445,6 +447,7 @@ def _edited(stream: bytes, edits: list[tuple[int, int]]) -> bytes:
     return bytes(data)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(
     node=programs(),
@@ -455,6 +458,7 @@ def test_random_programs_agree(analyzer: Analyzer, node: tuple[object, ...], edi
     assert_agree(analyzer, _edited(stream, edits))
 
 
+@pytest.mark.slow
 def test_the_generators_reach_every_verdict(analyzer: Analyzer) -> None:
     """Control: each generator's streams are accepted, refused and found too deep or malformed, not all one
     verdict (so the comparison is not between two identical refusals of garbage)."""

@@ -11,6 +11,8 @@ import pickle
 import pkgutil
 from pathlib import Path
 
+import pytest
+
 import zerocopy_pickle as zp
 
 from .conftest import REPO, run_python
@@ -77,6 +79,7 @@ def test_console_script_entry_point() -> None:
     assert scripts.get("zerocopy-pickle") == "zerocopy_pickle.cli:main"
 
 
+@pytest.mark.slow
 def test_import_pulls_in_no_optional_dependency() -> None:
     code = """
     import sys
@@ -89,6 +92,7 @@ def test_import_pulls_in_no_optional_dependency() -> None:
     assert run_python(code).stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_dump_in_one_interpreter_load_in_another(tmp_path: Path) -> None:
     path = tmp_path / "cross.zcp"
     run_python(

@@ -411,6 +411,7 @@ def assert_refused_in_child(
             )
 
 
+@pytest.mark.slow
 def test_deeply_nested_tuple_as_a_dict_key(tmp_path: Path) -> None:
     """Deep nesting: 150,000 nested 1-tuples (TUPLE1, no MARK) used as a dict key; hashing recurses in C and
     overflows the stack (a segfault). The load must fail cleanly with a SnapshotError instead."""
@@ -425,6 +426,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "constructor",
     [
@@ -450,6 +452,7 @@ def test_container_over_a_stride0_view(constructor: tuple[str, str], tmp_path: P
     assert_refused_in_child(data, tmp_path, memory_limit=GiB, max_growth=128 * MiB, modes=modes)
 
 
+@pytest.mark.slow
 def test_list_over_a_huge_stride0_view(tmp_path: Path) -> None:
     """Memory amplification at full size: ``list`` over a stride-0 view of size 2**31 (8 GiB of tensor pointers
     alone); a clean ZeroCopyPickleError under RLIMIT_AS, and not by running into the limit."""
@@ -463,12 +466,14 @@ def test_torch_tensor_of_uninitialised_memory(tmp_path: Path, state: ProcessStat
     assert_refused(uninitialised_tensor(tmp_path / "unused"), tmp_path, None, state)
 
 
+@pytest.mark.slow
 def test_torch_tensor_huge(tmp_path: Path) -> None:
     """``torch.Tensor(2**40)``: a few bytes of stream asking for 4 TiB."""
     data = as_snapshot(program(call(G("torch", "Tensor"), 1 << 40)))
     assert_refused_in_child(data, tmp_path, memory_limit=GiB, max_growth=128 * MiB)
 
 
+@pytest.mark.slow
 def test_qtensor_huge_size_tiny_storage(tmp_path: Path) -> None:
     """``_rebuild_qtensor`` allocates ``size`` before it checks the storage: a huge size over 4 bytes."""
     typed = call(G("zerocopy_pickle.rebuild", "rebuild_typed_storage"), storage(), G("torch", "qint8"))

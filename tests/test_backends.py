@@ -71,6 +71,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BY_VALUE_BACKENDS)
 def test_main_classes_local_classes_lambdas_and_closures_across_processes(backend: str, tmp_path: Path) -> None:
     script = tmp_path / "make_model.py"

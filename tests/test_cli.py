@@ -130,6 +130,7 @@ def test_convert_refuses_garbage_and_snapshots(
     assert "already a zerocopy_pickle snapshot" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_snapshot_demo_runs_small() -> None:
     proc = run_cli("demo", "--snapshot", "--size-mb", "40", "--repeat", "1")
     assert proc.returncode == 0, proc.stderr
@@ -238,6 +239,7 @@ def test_interrupted_exits_130(
     assert capsys.readouterr().err == "zerocopy-pickle inspect: interrupted\n"
 
 
+@pytest.mark.slow
 def test_a_closed_stdout_ends_quietly(snapshot: Path) -> None:
     """`zerocopy-pickle inspect F | head -1`: the reader leaves before the output is written."""
     script = shutil.which("zerocopy-pickle", path=os.path.dirname(sys.executable))

@@ -417,6 +417,7 @@ CHAIN_CHILD = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["main", "thread"])
 @pytest.mark.parametrize("top_down", [True, False], ids=["top-down", "bottom-up"])
 @pytest.mark.parametrize("kind", ["defaultdict", "deque"])
@@ -462,6 +463,7 @@ LOAD_CHILD = """
 """
 
 
+@pytest.mark.slow
 def test_a_40_level_memo_dag_as_a_dict_key_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "dag.zcp"
     path.write_bytes(as_snapshot(PROTO + b"}" + DAG(b")", 40, "tuple2") + b"Ns."))
@@ -470,6 +472,7 @@ def test_a_40_level_memo_dag_as_a_dict_key_is_refused(tmp_path: Path) -> None:
     assert "REFUSED SnapshotError" in proc.stdout and HASH_BUDGET_WORDS in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
 def test_a_5_mb_dotted_module_name_is_refused_and_scanned(tmp_path: Path) -> None:
     name = ("torch.nn." * (5_000_000 // 9 + 1))[:5_000_000].rstrip(".")
     path = tmp_path / "name.zcp"
@@ -488,6 +491,7 @@ def test_a_5_mb_dotted_module_name_is_refused_and_scanned(tmp_path: Path) -> Non
     assert '"exit_code": 1' in proc.stdout and len(proc.stdout) < 10_000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["main", "thread"])
 def test_a_deep_tuple_key_is_refused_without_a_crash_even_in_a_small_thread(tmp_path: Path, where: str) -> None:
     """A dict key nested MAX_DEPTH (5,000) deep: hashing it recursed in C and crashed a 256 KiB thread; keys are

@@ -194,3 +194,65 @@ def test_docstring_examples_run(module_name: str, tmp_path: Path, monkeypatch: p
         runner.run(test)
     results = runner.summarize(verbose=False)
     assert results.failed == 0, f"{results.failed} of {results.attempted} examples failed in {module_name}"
+
+
+def _backticked(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def test_design_md_layer_table_is_the_import_contract_and_places_every_module() -> None:
+    """docs/design.md's table of layers and ``[tool.importlinter]``'s layers contract are the same list, and every
+    module and package of ``zerocopy_pickle/`` is in exactly one layer (the contract alone would leave a module it
+    does not name unconstrained)."""
+    import tomllib
+
+    contract = next(
+        c
+        for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+        if c["type"] == "layers" and c["containers"] == ["zerocopy_pickle"]
+    )
+    declared = [sorted(name.strip() for name in layer.split("|")) for layer in contract["layers"]]
+    section = (DOCS / "design.md").read_text().split("## Modules and layers", 1)[1].split("\n## ", 1)[0]
+    table = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].isdigit():
+            table[int(cells[0])] = sorted(name.removesuffix(".py").removesuffix("/") for name in _backticked(cells[1]))
+    assert [table[number] for number in sorted(table, reverse=True)] == declared
+    assert sorted(table) == list(range(1, len(declared) + 1))
+    placed = [name for layer in declared for name in layer]
+    package = ROOT / "zerocopy_pickle"
+    present = sorted(
+        [p.stem for p in package.glob("*.py") if p.stem != "__init__"]
+        + [p.name for p in package.iterdir() if (p / "__init__.py").is_file()]
+    )
+    assert sorted(placed) == present, "every module of zerocopy_pickle/ in one layer of the contract"
+
+
+def test_contributing_md_names_every_test_file_once() -> None:
+    """docs/contributing.md's table of where the tests are names each ``tests/test_*.py`` exactly once, and only
+    files that exist."""
+    text = (DOCS / "contributing.md").read_text()
+    section = text.split("## Where the tests of a module are", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    named = [name for row in rows for name in _backticked(row.split("|")[3]) if re.fullmatch(r"test_\w+\.py", name)]
+    on_disk = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
+    assert sorted(named) == on_disk
+    assert len(named) == len(set(named))
+
+
+def test_usage_md_tables_every_environment_variable_the_code_reads() -> None:
+    """docs/usage.md's table of environment variables is the one list: every ``ZEROCOPY_PICKLE_*`` name written in
+    the library, the quirks or the suite's conftest is in it, and it names nothing the code does not."""
+    in_code = set()
+    for path in [
+        *(ROOT / "zerocopy_pickle").rglob("*.py"),
+        *(ROOT / "quirks").rglob("*.py"),
+        ROOT / "tests" / "conftest.py",
+    ]:
+        in_code |= set(re.findall(r"\bZEROCOPY_PICKLE_[A-Z_]*[A-Z]\b", path.read_text()))
+    section = (DOCS / "usage.md").read_text().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    tabled = [m for line in section.splitlines() if (m := re.match(r"\| `(ZEROCOPY_PICKLE_[A-Z_]+)` \|", line))]
+    names = [m[1] for m in tabled]
+    assert len(names) == len(set(names))
+    assert set(names) == in_code

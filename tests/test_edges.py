@@ -153,6 +153,7 @@ def test_convert_refuses_torchscript_in_one_line_naming_trusted(
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_convert_of_torchscript_in_a_subprocess_has_no_warning_or_traceback(
     files: dict[str, Path], tmp_path: Path
 ) -> None:

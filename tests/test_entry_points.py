@@ -75,6 +75,7 @@ print("hook calls", zcp_example_plugin.LOAD_HOOK_CALLS)
 """
 
 
+@pytest.mark.slow
 def test_fresh_interpreters_discover_the_plugin(example_plugins: InstalledPlugins, tmp_path: Path) -> None:
     path = tmp_path / "readings.zcp"
     out = run_python(DUMP, str(path), env=example_plugins.env).stdout
@@ -82,6 +83,7 @@ def test_fresh_interpreters_discover_the_plugin(example_plugins: InstalledPlugin
     assert "hook calls 0" in run_python(LOAD, str(path), env=example_plugins.env).stdout  # restricted: no hook
 
 
+@pytest.mark.slow
 def test_load_without_the_plugin_names_what_to_install(example_plugins: InstalledPlugins, tmp_path: Path) -> None:
     path = tmp_path / "readings.zcp"
     run_python(DUMP, str(path), env=example_plugins.env)
@@ -93,6 +95,7 @@ def test_load_without_the_plugin_names_what_to_install(example_plugins: Installe
     assert "plugin 'example', which is not installed: pip install zcp-example-plugin" in proc.stderr
 
 
+@pytest.mark.slow
 def test_disabled_by_environment(example_plugins: InstalledPlugins, tmp_path: Path) -> None:
     path = tmp_path / "readings.zcp"
     run_python(DUMP, str(path), env=example_plugins.env)

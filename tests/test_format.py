@@ -582,6 +582,7 @@ def _peak_decoding(data: bytes) -> int:
         tracemalloc.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["producer", "plugins", "buffers"])
 def test_decoding_a_hostile_header_holds_memory_linear_in_its_length(what: str) -> None:
     """Each collection at several MiB of JSON: the decoder's peak is at most 20 times the header's length (the

@@ -229,6 +229,7 @@ LIVE = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LIVE)
 def test_the_payload_is_live(name: str, tmp_path: Path) -> None:
     """Control: unrestricted pickle does run it (so the refusals above prove something)."""

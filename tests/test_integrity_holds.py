@@ -213,6 +213,7 @@ print("bounded ok")
 """
 
 
+@pytest.mark.slow
 def test_a_pipe_declaring_a_terabyte_reserves_only_what_arrives() -> None:
     """Under an address-space limit 256 MiB above the process's size, claims of 1 TiB are refused as
     truncation, and a real snapshot read through a pipe (which grows its buffer) still loads."""
@@ -455,6 +456,7 @@ def test_from_fd_copy_refuses_a_malformed_or_shrinking_source(monkeypatch: pytes
         os.close(fd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "content",
     [b"", b"\x89ZCP\r\n\x1a\x02", fixed_claiming(1 << 40) + bytes(100), b"not a snapshot at all" * 10, "fifo"],

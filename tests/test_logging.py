@@ -138,6 +138,7 @@ _FRESH = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_import_configures_nothing_and_the_library_prints_nothing() -> None:
     proc = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -285,6 +286,7 @@ _REAL = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_the_real_third_party_noise_is_dropped() -> None:
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("transformers")

@@ -119,6 +119,7 @@ def test_every_pool_worker_maps_the_same_pages_of_one_shared_model() -> None:
         assert report["output"] == expected(model)
 
 
+@pytest.mark.slow
 def test_a_queue_and_a_process_pool_executor_carry_registered_modules(registered: None) -> None:
     model = build_model(seed=5)
     queue, results = SPAWN.Queue(), SPAWN.Queue()
@@ -142,6 +143,7 @@ def test_a_shared_state_dict_is_one_memfd() -> None:
     assert report["sum"] == pytest.approx(float(sum(t.sum() for t in state.values())))
 
 
+@pytest.mark.slow
 def test_spawned_dataloader_workers_share_the_dataset_model() -> None:
     shared = zmp.Shared(build_model())
     dataset = mp_workers.ModelDataset(shared)
@@ -153,6 +155,7 @@ def test_spawned_dataloader_workers_share_the_dataset_model() -> None:
     assert {item["inode"] for item in items} == {inode_of(shared)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_pre_fork_workers_share_one_copy_of_a_model_the_loader_changed(method: str) -> None:
     model = mp_workers.Converted()  # float16 conversion and bitsandbytes 4-bit quantization, in the parent
@@ -185,6 +188,7 @@ def test_a_closed_shared_cannot_be_sent_and_its_loads_outlive_it() -> None:
         multiprocessing.reduction.ForkingPickler.dumps(shared)
 
 
+@pytest.mark.slow
 def test_an_existing_snapshot_file_is_shared_without_a_copy(tmp_path: Any) -> None:
     model = build_model(seed=9)
     zp.dump(model, tmp_path / "model.zcp")

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -528,6 +529,7 @@ def child_main(max_examples: int) -> None:
     print("OK", max_examples)
 
 
+@pytest.mark.slow
 def test_random_programs_only_raise_library_errors() -> None:
     """Random programs over the safe set (hypothesis, 300 examples, in a child under RLIMIT_AS and a timeout):
     only success or a ZeroCopyPickleError, no sentinel, no changed global; the child exits 0, not by a signal."""

@@ -266,6 +266,7 @@ def checkpoint(tmp_path: Path) -> Path:
     return src
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [(24, 100), (0, 0)], ids=["sized", "unsized"])
 def test_convert_on_a_real_terminal_shows_the_bar(tmp_path: Path, checkpoint: Path, size: tuple[int, int]) -> None:
     script = shutil.which("zerocopy-pickle", path=os.path.dirname(sys.executable))
@@ -288,6 +289,7 @@ def test_convert_on_a_real_terminal_shows_the_bar(tmp_path: Path, checkpoint: Pa
     assert code == 0 and "dump" not in shown and "%" not in shown, shown
 
 
+@pytest.mark.slow
 def test_convert_with_stderr_in_a_pipe_shows_no_bar(tmp_path: Path, checkpoint: Path) -> None:
     script = shutil.which("zerocopy-pickle", path=os.path.dirname(sys.executable))
     assert script is not None

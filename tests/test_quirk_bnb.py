@@ -322,6 +322,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_load_in_a_fresh_interpreter(tmp_path: Path) -> None:
     layers: dict[str, torch.nn.Module] = {
         f"{qt}-nested{nested}": linear4bit(qt, nested, seed=i) for i, (qt, nested) in enumerate(VARIANTS)
@@ -912,6 +913,7 @@ print(type(layer).__name__)
 """
 
 
+@pytest.mark.slow
 def test_restricted_load_does_not_import_bitsandbytes(tmp_path: Path) -> None:
     from zerocopy_pickle_quirks import bnb
 

@@ -166,6 +166,7 @@ def dumped(tmp_path_factory: pytest.TempPathFactory) -> Dumped:
     return Dumped(root, hf_home)
 
 
+@pytest.mark.slow
 def test_transformers_remote_code_loads_in_a_fresh_interpreter(dumped: Dumped) -> None:
     # HF_HOME alone: the cache path comes from the HF_HOME rule.
     env = {"HF_HOME": str(dumped.hf_home)}
@@ -173,6 +174,7 @@ def test_transformers_remote_code_loads_in_a_fresh_interpreter(dumped: Dumped) -
     assert proc.stdout.strip() == "ok"
 
 
+@pytest.mark.slow
 def test_diffusers_custom_pipeline_loads_in_a_fresh_interpreter(dumped: Dumped, tmp_path: Path) -> None:
     # HF_MODULES_CACHE set explicitly (and HF_HOME elsewhere): that variable wins, as in both libraries.
     env = {"HF_MODULES_CACHE": str(dumped.cache), "HF_HOME": str(tmp_path / "elsewhere")}
@@ -329,6 +331,7 @@ def test_hook_prefers_the_imported_librarys_constant(monkeypatch: pytest.MonkeyP
     assert list(sys.modules["transformers_modules"].__path__) == [str(cache / "transformers_modules")]
 
 
+@pytest.mark.slow
 def test_dump_of_a_cached_class_records_the_plugin(tmp_path: Path) -> None:
     # Without any library: a class imported from a hand-made cache, in this process and in a fresh one.
     cache = tmp_path / "modules"
@@ -366,6 +369,7 @@ def test_dump_of_a_cached_function_records_the_plugin(monkeypatch: pytest.Monkey
     assert [p.name for p in plugins] == ["dynamic-modules"]
 
 
+@pytest.mark.slow
 def test_restricted_load_prepares_no_namespace(tmp_path: Path) -> None:
     """A restricted load of a snapshot whose header names dynamic-modules (an attacker can write that header)
     registers no namespace and adds no finder: the repository class is refused as a global, nothing imported."""

@@ -112,6 +112,7 @@ class TestStableFastConformance(ReducerConformance):
         assert proc.stdout.strip() == "ok", proc.stderr
 
 
+@pytest.mark.slow
 def test_restricted_load_imports_and_patches_nothing(tmp_path: Path) -> None:
     """The load hook (import sfast, patch it) runs only in trusted loads: a restricted load of a snapshot whose
     header names stable-fast (any header may) refuses the TorchScript archive without importing sfast."""
@@ -135,6 +136,7 @@ def test_restricted_load_imports_and_patches_nothing(tmp_path: Path) -> None:
 # -- when the patch applies ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_registration_imports_nothing_and_patches_sfast_on_import() -> None:
     code = """
         import inspect, sys
@@ -153,6 +155,7 @@ def test_registration_imports_nothing_and_patches_sfast_on_import() -> None:
     assert run_python(code).stdout.strip() == "ok"
 
 
+@pytest.mark.slow
 def test_registration_patches_sfast_imported_before() -> None:
     code = """
         import sfast.jit.trace_helper
@@ -218,6 +221,7 @@ def test_patched_flatten_survives_torch_jit_save() -> None:
     assert_same_outputs(wrapper, loaded)
 
 
+@pytest.mark.slow
 def test_module_traced_with_unpatched_flatten_is_repaired_at_dump(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

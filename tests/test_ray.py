@@ -94,6 +94,7 @@ def test_a_frozen_graph_round_trips_through_the_store_as_copy_on_write_views(clu
     assert torch.equal(again[2].weight, model[2].weight)
 
 
+@pytest.mark.slow
 def test_actors_share_one_copy_and_their_writes_stay_their_own(cluster: None) -> None:
     model = big_model()
     ref = ray.put(zray.Frozen(model))
@@ -116,6 +117,7 @@ def test_actors_share_one_copy_and_their_writes_stay_their_own(cluster: None) ->
         ray.kill(holder)
 
 
+@pytest.mark.slow
 def test_registered_modules_travel_as_snapshots(cluster: None, registered: None) -> None:
     model = big_model()
     got = ray.get(ray.put(model))

@@ -372,6 +372,7 @@ def test_a_refused_registration_falls_back_to_staging() -> None:
     assert len(fake.calls("allocate")) == 1
 
 
+@pytest.mark.slow
 def test_a_partly_refused_registration_undoes_what_it_locked() -> None:
     storages = [torch.randint(0, 256, (n,), dtype=torch.uint8).untyped_storage() for n in (1 << 20, 1 << 20)]
     fake = FakeBackend()

@@ -280,6 +280,7 @@ def test_writing_a_loaded_tensor_changes_neither_the_file_nor_other_loads(tmp_pa
     assert writer["ints"].eq(0).all()
 
 
+@pytest.mark.slow
 def test_write_in_another_process_does_not_reach_this_one(tmp_path: Path) -> None:
     path = tmp_path / "state.zcp"
     state = sample_state()
@@ -343,6 +344,7 @@ def test_frozen_snapshot_loads_are_copy_on_write() -> None:
         assert_state_equal(zp.loads(frozen_bytes), state)
 
 
+@pytest.mark.slow
 def test_frozen_snapshot_write_is_private_to_one_process() -> None:
     state = sample_state()
     with zp.freeze(state) as snap:
