@@ -311,7 +311,7 @@ import dataclasses, json, torch
 from zerocopy_pickle.cache import client
 kwargs = {{"weights_only": True, "map_location": "cpu"}}  # not cached yet: a miss
 request = client.describe("torch:load", None, ("model.pt",), kwargs)
-request["get"] = dataclasses.replace(request["get"], cwd={str(missing)!r})
+request = dataclasses.replace(request, get=dataclasses.replace(request.get, cwd={str(missing)!r}))
 try:
     client._fetch(request, ("model.pt",), kwargs, autostart=False)
 except client.CacheError as e:
@@ -412,7 +412,7 @@ if len(sys.argv) > 2:  # a client that could not see the file change: it asks fo
     describe = client.describe
     def same_key(*args, **kwargs):
         request = describe(*args, **kwargs)
-        request["get"] = dataclasses.replace(request["get"], key=sys.argv[2])
+        request = dataclasses.replace(request, get=dataclasses.replace(request.get, key=sys.argv[2]))
         return request
     client.describe = same_key
 state = torch.load(sys.argv[1], weights_only=True)
@@ -669,7 +669,7 @@ out = {"values": [torch.load(path, weights_only=True)["w"].tolist() for path in 
 client._filer.drain()  # the misses above are filed: the request below is a hit, not a load by the server's loader
 request = client.describe("torch:load", None, (sys.argv[1],), {"weights_only": True})
 with client.Client(timeout=120) as connection:  # not the 5 s default: a busy machine may be slower than that
-    header, _, fds = connection.request(request["get"], request["payload"])
+    header, _, fds = connection.request(request.get, request.payload)
 out["hit"] = header["hit"]
 out["sealed"] = [fcntl.fcntl(fd, fcntl.F_GET_SEALS) & arena.SEALS == arena.SEALS for fd in fds]
 for fd in fds:

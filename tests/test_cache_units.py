@@ -17,8 +17,8 @@ import pytest
 
 from tests.conftest import run_python
 from zerocopy_pickle import arena
-from zerocopy_pickle.cache import client, filebacked, loader, protocol
-from zerocopy_pickle.cache.client import Uncacheable, _fingerprint, describe
+from zerocopy_pickle.cache import client, filebacked, keys, loader, protocol
+from zerocopy_pickle.cache.keys import Request, Uncacheable, _fingerprint, describe
 from zerocopy_pickle.cache.messages import MAX_FILE_CHECKS, BufferRow, FileCheck, Get
 from zerocopy_pickle.cache.store import Entry, Store
 
@@ -176,21 +176,21 @@ def test_key_follows_file_changes(tmp_path: Path) -> None:
     weights = checkpoint / "weights.bin"
     weights.write_bytes(b"one")
     point = "torch.serialization:load"
-    first = describe(point, None, (str(checkpoint),), {})["key"]
-    assert describe(point, None, (str(checkpoint),), {})["key"] == first  # stable
+    first = describe(point, None, (str(checkpoint),), {}).key
+    assert describe(point, None, (str(checkpoint),), {}).key == first  # stable
     before = weights.stat()
     weights.write_bytes(b"two")  # same size, same inode
     # The key is each file's size, mtime, ctime and inode, never its bytes: with the mtime put back, the ctime
     # (which nobody can set back) still changed, and so did the key.
     os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert weights.stat().st_mtime_ns == before.st_mtime_ns and weights.stat().st_ctime_ns != before.st_ctime_ns
-    second = describe(point, None, (str(checkpoint),), {})["key"]
+    second = describe(point, None, (str(checkpoint),), {}).key
     assert second != first
-    assert describe(point, None, (str(checkpoint),), {})["key"] == second  # stable again
+    assert describe(point, None, (str(checkpoint),), {}).key == second  # stable again
     # A new mtime, set rather than waited for (a file system's timestamp granularity can be coarse).
     os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
-    assert describe(point, None, (str(checkpoint),), {})["key"] != first
-    assert describe(point, None, (str(checkpoint),), {"mmap": True})["key"] != first
+    assert describe(point, None, (str(checkpoint),), {}).key != first
+    assert describe(point, None, (str(checkpoint),), {"mmap": True}).key != first
 
 
 def test_key_follows_the_loaders_library_version(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -201,18 +201,18 @@ def test_key_follows_the_loaders_library_version(monkeypatch: pytest.MonkeyPatch
     fake = types.ModuleType("zcp_fake_loader")
     fake.__version__ = "1.0"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "zcp_fake_loader", fake)
-    client._library_version.cache_clear()
+    keys._library_version.cache_clear()
     point = "zcp_fake_loader.models:load"
-    first = describe(point, None, ("x",), {})["key"]
+    first = describe(point, None, ("x",), {}).key
     fake.__version__ = "2.0"  # type: ignore[attr-defined]
-    client._library_version.cache_clear()  # a process sees one version: looked up once
-    assert describe(point, None, ("x",), {})["key"] != first
-    assert client._library_version("zcp_fake_loader.models") == "2.0"
+    keys._library_version.cache_clear()  # a process sees one version: looked up once
+    assert describe(point, None, ("x",), {}).key != first
+    assert keys._library_version("zcp_fake_loader.models") == "2.0"
     del fake.__version__
-    client._library_version.cache_clear()
-    assert client._library_version("zcp_fake_loader") == "?"  # no distribution either
-    assert client._library_version("pytest") == importlib.metadata.version("pytest")
-    client._library_version.cache_clear()
+    keys._library_version.cache_clear()
+    assert keys._library_version("zcp_fake_loader") == "?"  # no distribution either
+    assert keys._library_version("pytest") == importlib.metadata.version("pytest")
+    keys._library_version.cache_clear()
 
 
 def test_symlinked_subfolders_are_followed_and_cycles_are_not(tmp_path: Path) -> None:
@@ -233,15 +233,15 @@ def test_symlinked_subfolders_are_followed_and_cycles_are_not(tmp_path: Path) ->
     vae_row = rows[names.index("vae/weights.bin")]
     assert vae_row[4] == (shared / "vae-a" / "weights.bin").stat().st_ino  # the identity of the file it leads to
     point = "torch.serialization:load"
-    first = describe(point, None, (str(model),), {})["key"]
+    first = describe(point, None, (str(model),), {}).key
     (model / "vae").unlink()
     (model / "vae").symlink_to(shared / "vae-b")  # re-pointed: same names and sizes, another folder
-    assert describe(point, None, (str(model),), {})["key"] != first
+    assert describe(point, None, (str(model),), {}).key != first
 
 
 def test_requests_carry_the_callers_working_directory_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    get = describe("torch.serialization:load", None, ("model.pt",), {})["get"]
+    get = describe("torch.serialization:load", None, ("model.pt",), {}).get
     assert get.cwd == str(tmp_path)
     header = get.encode()
     assert Get.decode(header).cwd == str(tmp_path)
@@ -262,19 +262,19 @@ def test_hub_ids_key_on_the_commit_and_its_snapshot(tmp_path: Path, monkeypatch:
     (repo / "refs" / "main").write_text(commits[0] + "\n")
     point = "transformers.modeling_utils:PreTrainedModel.from_pretrained"
 
-    def request(**kwargs: object) -> dict[str, object]:
+    def request(**kwargs: object) -> Request:
         return describe(point, None, ("org/tiny",), {"cache_dir": str(tmp_path / "hub"), **kwargs})
 
     first = request()
-    assert first["key"] == request()["key"]
-    assert request(revision=commits[0])["key"] != first["key"]  # another revision, the same commit: keyed apart
+    assert first.key == request().key
+    assert request(revision=commits[0]).key != first.key  # another revision, the same commit: keyed apart
     # The loader is told the commit and the cache the key names.
-    args, kwargs = pickle.loads(first["payload"])
+    args, kwargs = pickle.loads(first.payload)
     assert args == ("org/tiny",) and kwargs == {"revision": commits[0], "cache_dir": str(tmp_path / "hub")}
     (repo / "snapshots" / commits[0] / "config.json").write_text("c" * 40)  # the snapshot's files changed
-    assert request()["key"] != first["key"]
+    assert request().key != first.key
     (repo / "refs" / "main").write_text(commits[1])
-    moved = pickle.loads(request()["payload"])[1]
+    moved = pickle.loads(request().payload)[1]
     assert moved["revision"] == commits[1]
     for bad in ({"revision": "v1"}, {"revision": "../refs/main"}, {"revision": "f" * 40}):
         with pytest.raises(Uncacheable):
@@ -285,7 +285,7 @@ def test_hub_ids_key_on_the_commit_and_its_snapshot(tmp_path: Path, monkeypatch:
     with pytest.raises(Uncacheable, match="cannot be known offline"):
         describe(point, None, ("org/absent",), {"cache_dir": str(tmp_path / "hub")})
     # Not a repository id, or not a from_pretrained: keyed as before, without looking at the Hub cache.
-    assert pickle.loads(describe("torch.serialization:load", None, ("org/absent",), {})["payload"])[1] == {}
+    assert pickle.loads(describe("torch.serialization:load", None, ("org/absent",), {}).payload)[1] == {}
     describe(point, None, ("./not/a/repo",), {})
 
 
@@ -294,7 +294,7 @@ def test_a_call_naming_more_files_than_a_request_can_list_is_not_cached(tmp_path
     folder.mkdir()
     for i in range(MAX_FILE_CHECKS):
         (folder / f"{i}.bin").touch()
-    get = describe("torch.serialization:load", None, (str(folder),), {})["get"]
+    get = describe("torch.serialization:load", None, (str(folder),), {}).get
     assert len(get.files) == MAX_FILE_CHECKS and len(json.dumps(get.encode())) < protocol.REQUEST.header
     (folder / "one-more.bin").touch()
     with pytest.raises(Uncacheable, match="too many files"):
@@ -512,7 +512,7 @@ def test_cache_pickles_without_cloudpickle() -> None:
         folder = tempfile.mkdtemp()  # a local path: the key is its files' fingerprints, no Hub lookup
         described = client.describe("transformers:PreTrainedModel.from_pretrained", None, (folder, torch.ones(2)), {})
         pickled = entries.pickle_with_refs({"w": torch.zeros(3)}, [], in_band=False)
-        print(len(pickled.views), pickled.views[0].nbytes, sorted(described))
+        print(len(pickled.views), pickled.views[0].nbytes, sorted(vars(described)))
         try:
             entries.pickle_with_refs(lambda: 1, [], in_band=True)
         except (pickle.PicklingError, AttributeError) as e:
@@ -663,7 +663,7 @@ def test_arguments_without_code_pickle_without_cloudpickle_and_code_still_keys_b
         one_again = client.describe(point, None, (folder,), {"hook": hook(1)})
         two = client.describe(point, None, (folder,), {"hook": hook(2)})
         print("cloudpickle imported:", "cloudpickle" in sys.modules)
-        print(one["key"] == one_again["key"], one["key"] != two["key"], plain["key"] not in (one["key"], two["key"]))
+        print(one.key == one_again.key, one.key != two.key, plain.key not in (one.key, two.key))
         """
     )
     assert proc.stdout.splitlines() == ["cloudpickle imported: False", "cloudpickle imported: True", "True True True"]

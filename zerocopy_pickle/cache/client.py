@@ -1,5 +1,5 @@
-"""Internal: the client side of the cache: keys, requests, loading entries, filling misses, and falling back to a
-direct load.
+"""Internal: the client side of the cache: the connection to the server, loading entries, filling misses, and
+falling back to a direct load. A call's key and request are :mod:`keys`'.
 
 A hit is loaded from the server's segments, faster than the plain call; a miss costs the caller the key, one
 round trip and a fork on top of the plain call (docs/cache.md, "What a miss costs"); the cache never makes a load
@@ -23,39 +23,26 @@ import _thread
 import atexit
 import contextlib
 import dataclasses
-import functools
 import gc
-import hashlib
-import importlib.metadata
-import io
-import json
 import logging
 import os
 import queue
-import re
 import select
 import socket
-import stat
 import subprocess
 import sys
 import threading
 import time
-import types
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from .. import arena, locate, readahead
-from .._version import __version__
-from ..loadcore import argument
-from ..names import GlobalName
 from . import checkpoints, entries
 from .isolation import SPAWNER_ENV, WORKDIR_ENV, child_environment
+from .keys import Request, Uncacheable, cached_key, describe, register_result
 from .messages import (
-    MAX_FILE_CHECKS,
-    Call,
     EntryReply,
     Failure,
     FileCheck,
@@ -66,8 +53,7 @@ from .messages import (
     Put,
     Uncapturable,
 )
-from .points import split_point
-from .protocol import REQUEST, CacheError, ProtocolError, receive, runtime_dir, send, socket_path
+from .protocol import CacheError, ProtocolError, receive, runtime_dir, send, socket_path
 
 __all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_result"]
 
@@ -85,323 +71,10 @@ HIT_TIMEOUT = 30.0
 """Seconds a client that fills its own misses waits for the server's answer (it never waits for a load)."""
 
 log = logging.getLogger(__name__)
-MAX_FINGERPRINT_FILES = 100_000
 
 
 class CacheWarning(UserWarning):
     """The cache could not serve a call, which was loaded directly instead (warned once per cause)."""
-
-
-class Uncacheable(CacheError):
-    """This call cannot be keyed (an argument that cannot be pickled, say): it is loaded directly."""
-
-
-# -- objects this process got from the cache, by identity ------------------------------------------------------
-
-_CACHED: dict[int, tuple[weakref.ref[Any], str]] = {}
-_CACHED_LOCK = threading.Lock()
-
-
-def register_result(obj: Any, key: str) -> None:
-    """Remember that ``obj`` is the cached result of ``key``, so that passing it as an argument travels as a
-    reference. Objects that cannot be weakly referenced are not remembered (they travel by value)."""
-    identity = id(obj)
-
-    def forget(_: object, identity: int = identity) -> None:
-        with _CACHED_LOCK:
-            _CACHED.pop(identity, None)
-
-    try:
-        ref = weakref.ref(obj, forget)
-    except TypeError:
-        return
-    with _CACHED_LOCK:
-        _CACHED[identity] = (ref, key)
-
-
-def cached_key(obj: Any) -> str | None:
-    """The key of the cache entry ``obj`` came from, if it came from one."""
-    with _CACHED_LOCK:
-        found = _CACHED.get(id(obj))
-    if found is not None and found[0]() is obj:
-        return found[1]
-    return None
-
-
-class _NeedsByValue(Exception):
-    """An argument is a function or a class: the arguments are pickled again, by value where they must be."""
-
-
-class _ArgumentPickler(entries.RefPickler):
-    """Pickles a call's arguments, replacing every cached object it meets by a reference (in meeting order).
-
-    With ``stop_at_code`` it raises :class:`_NeedsByValue` at the first function or class: :func:`_pickle_arguments`
-    then pickles them again with ``by_value``. Nearly every call's arguments (paths, dtypes, configs) hold none, and
-    so never import cloudpickle (1.5-2 ms of a process's first hit) or build its pickler.
-    """
-
-    def __init__(self, file: Any, *, by_value: bool, stop_at_code: bool) -> None:
-        super().__init__(file, [], by_value=by_value)
-        self._stop_at_code = stop_at_code
-        self.ref_objects: list[Any] = []
-        self.ref_keys: list[str] = []
-
-    def reducer_override(self, obj: Any) -> Any:
-        key = cached_key(obj)
-        if key is not None:
-            index = self._ref_index.get(id(obj))
-            if index is None:
-                index = self._ref_index[id(obj)] = len(self.ref_objects)
-                self.ref_objects.append(obj)
-                self.ref_keys.append(key)
-            return argument, (index,)
-        if self._stop_at_code and isinstance(obj, (types.FunctionType, type)):
-            raise _NeedsByValue
-        return super().reducer_override(obj)
-
-
-def _stat_row(st: os.stat_result) -> list[int]:
-    """A file's identity as a fingerprint row holds it: the fields of a :class:`FileCheck` after its path (the
-    checks the server makes on every hit are built from these rows, so both come from one definition)."""
-    return list(FileCheck.of("", st)[1:])
-
-
-def _fingerprint(path: str) -> list[Any]:
-    """What identifies a local file or directory's contents: sizes, modification and change times and inodes of
-    every file in it, through symlinks as a loader reads them (a file's link to a blob, a ``vae`` subfolder that
-    is a link to ``/shared/vae``: rows name each file by its path under ``path``, and hold the identity of the file
-    it leads to, so re-pointing a link changes the key). A link back to a directory above it (a cycle) is not
-    followed again. The change time (ctime) is there because a rewrite in place that puts the modification time
-    back (``rsync --inplace -t``, ``cp -p``) still sets it, and nobody can set it back.
-
-    Raises:
-        Uncacheable: the folder holds more than :data:`MAX_FINGERPRINT_FILES` files and folders.
-    """
-    root = Path(path)
-    if root.is_file():
-        st = root.stat()
-        return [["", *_stat_row(st)]]
-    rows: list[Any] = []
-    seen = 0
-    # Depth first, each folder with the (device, inode) of the folders above it: a link to one of those is a cycle.
-    try:
-        top = root.stat()
-    except OSError:
-        return rows
-    stack: list[tuple[Path, str, frozenset[tuple[int, int]]]] = [(root, "", frozenset({(top.st_dev, top.st_ino)}))]
-    while stack:
-        directory, prefix, above = stack.pop()
-        try:
-            with os.scandir(directory) as listing:
-                children = list(listing)
-        except OSError:
-            continue
-        for child in children:
-            seen += 1
-            if seen > MAX_FINGERPRINT_FILES:
-                raise Uncacheable(f"{path} holds more than {MAX_FINGERPRINT_FILES} files and folders")
-            name = prefix + child.name
-            try:
-                st = child.stat()  # through a link
-            except OSError:
-                continue  # a dangling link: nothing a loader could read
-            if stat.S_ISDIR(st.st_mode):
-                identity = (st.st_dev, st.st_ino)
-                if identity not in above:
-                    stack.append((Path(child.path), name + os.sep, above | {identity}))
-            elif stat.S_ISREG(st.st_mode):
-                rows.append([name, *_stat_row(st)])
-    return sorted(rows)
-
-
-def _local_paths(value: Any, found: dict[str, list[Any]], depth: int = 0) -> None:
-    if depth > 4:
-        return
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if isinstance(value, str):
-        if value and len(value) < 4096 and os.path.exists(value):
-            found.setdefault(os.path.realpath(value), _fingerprint(value))
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _local_paths(item, found, depth + 1)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _local_paths(item, found, depth + 1)
-
-
-_COMMIT = re.compile(r"[0-9a-f]{40}")
-HUB_POINTS = ("from_pretrained",)
-"""Patch points whose first argument may be a Hub repository id (resolved to a commit in the local Hub cache)."""
-
-
-def _hub_snapshot(point: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """For a ``from_pretrained`` call whose first argument is a Hub repository id rather than a local path: the
-    repository, revision and commit it resolves to offline, in the local Hub cache (``cache_dir=``, else
-    ``huggingface_hub.constants.HF_HUB_CACHE``: ``HF_HUB_CACHE``, ``HF_HOME``...), and that commit's snapshot
-    folder; None for any other call.
-
-    Raises:
-        Uncacheable: the commit cannot be known offline (the repository or its ``refs/<revision>`` is not in the
-            local cache): the key could not say which weights it names.
-    """
-    if point.rpartition(".")[2] not in HUB_POINTS:
-        return None
-    name = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-    if not isinstance(name, str) or not name or len(name) > 200 or os.path.exists(name):
-        return None
-    try:
-        from huggingface_hub import constants
-        from huggingface_hub.utils import validate_repo_id  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    try:
-        validate_repo_id(name)
-    except ValueError:  # HFValidationError: not a repository id
-        return None
-    revision = kwargs.get("revision") or "main"
-    cache_dir = kwargs.get("cache_dir") or constants.HF_HUB_CACHE
-    if not isinstance(revision, str) or not isinstance(cache_dir, (str, os.PathLike)):
-        raise Uncacheable(f"{name!r}: a revision or cache_dir that is not a string")
-    folder = Path(os.path.abspath(cache_dir), "models--" + name.replace("/", "--"))
-    refs = None
-    if _COMMIT.fullmatch(revision):
-        commit = revision
-    else:
-        parts = revision.split("/")
-        if not all(part and part not in (".", "..") for part in parts):
-            raise Uncacheable(f"{name!r}: the revision {revision!r} is not a branch or tag name")
-        refs = folder.joinpath("refs", *parts)
-        try:
-            commit = refs.read_text().strip()
-        except (OSError, UnicodeDecodeError):
-            raise Uncacheable(
-                f"the Hub repository {name!r} at {revision!r} is not in the local Hub cache ({folder}): which "
-                "commit it names cannot be known offline, so it is not cached"
-            ) from None
-        if not _COMMIT.fullmatch(commit):
-            raise Uncacheable(f"{refs} does not hold a commit hash")
-    snapshot = folder / "snapshots" / commit
-    if not snapshot.is_dir():
-        raise Uncacheable(f"the Hub repository {name!r} has no snapshot of commit {commit} in {folder}")
-    return {"repo": [name, revision, commit], "snapshot": str(snapshot), "refs": str(refs) if refs else None,
-            "cache_dir": str(folder.parent)}  # fmt: skip
-
-
-def _working_directory() -> str | None:
-    """This process's working directory, where the call's relative paths resolve (None if it is gone)."""
-    try:
-        cwd = os.getcwd()
-    except OSError:
-        return None
-    return cwd if cwd.startswith("/") and "\0" not in cwd and len(cwd) <= 4096 else None
-
-
-@functools.cache
-def _library_version(module: str) -> str:
-    """The installed version of ``module``'s top-level package: its ``__version__`` where it is imported and
-    says one (transformers, diffusers, peft: the loader's module is imported by the time it is called), else its
-    distribution's metadata. Looked up once per process: parsing a distribution's metadata costs 5-15 ms, on
-    the caller's path at its first miss."""
-    top = module.split(".", maxsplit=1)[0]
-    version = getattr(sys.modules.get(top), "__version__", None)
-    if isinstance(version, str) and version:
-        return version
-    try:
-        return importlib.metadata.version(top)
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
-
-
-def _pickle_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bytes, _ArgumentPickler]:
-    """A call's arguments as the key pickles them, and their pickler (its ``ref_objects`` and ``ref_keys``):
-    plainly when they hold no function or class; else again, functions and classes by value where plain pickle
-    cannot take them, when cloudpickle is installed (:func:`entries.by_value`; without it, by reference).
-
-    Raises:
-        Uncacheable: an argument cannot be pickled.
-    """
-    try:
-        return _dump_arguments(args, kwargs, by_value=False, stop_at_code=entries.by_value())
-    except _NeedsByValue:
-        return _dump_arguments(args, kwargs, by_value=True, stop_at_code=False)
-
-
-def _dump_arguments(
-    args: tuple[Any, ...], kwargs: dict[str, Any], *, by_value: bool, stop_at_code: bool
-) -> tuple[bytes, _ArgumentPickler]:
-    out = io.BytesIO()
-    pickler = _ArgumentPickler(out, by_value=by_value, stop_at_code=stop_at_code)
-    try:
-        pickler.dump((args, kwargs))
-    except _NeedsByValue:
-        raise
-    except Exception as e:
-        raise Uncacheable(f"an argument cannot be pickled ({type(e).__name__}: {e})") from e
-    finally:
-        pickler.clear_memo()
-    return out.getvalue(), pickler
-
-
-def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The request for a call: its key, the function to run, the pickled arguments, the referenced entries.
-
-    The key is a BLAKE2b digest of: the patched function and the class it was called on; the arguments as
-    pickled, with cached objects replaced by their entries' keys; a fingerprint of every local file or directory
-    an argument names (size, mtime, ctime, inode of each file, through symlinked subfolders: a changed checkpoint
-    is a different key); for a ``from_pretrained`` of a Hub repository id, the repository, revision and commit it
-    resolves to in the local Hub cache and the fingerprint of that commit's snapshot (the loader is then called
-    with ``revision=<commit>`` and that ``cache_dir``, so that it reads what the key names); and the versions of
-    zerocopy_pickle, torch and the loader's library.
-
-    Raises:
-        Uncacheable: an argument cannot be pickled, or a Hub id's commit cannot be known offline.
-    """
-    hub = _hub_snapshot(point, args, kwargs)
-    if hub is not None:  # the loader reads exactly the commit the key names, from the caller's Hub cache
-        kwargs = {**kwargs, "revision": hub["repo"][2], "cache_dir": hub["cache_dir"]}
-    stream, pickler = _pickle_arguments(args, kwargs)
-    files: dict[str, list[Any]] = {}
-    _local_paths([list(args), {k: v for k, v in kwargs.items() if k != "cache_dir"}], files)
-    if hub is not None:
-        for path in (hub["snapshot"], hub["refs"]):
-            if path is not None:
-                files.setdefault(os.path.realpath(path), _fingerprint(path))
-    module = split_point(point).module
-    import torch
-
-    owner = str(GlobalName(cls.__module__, cls.__qualname__)) if cls is not None else None
-    material = {
-        "point": point,
-        "cls": owner,
-        "args": hashlib.blake2b(stream, digest_size=32).hexdigest(),
-        "refs": pickler.ref_keys,
-        "files": files,
-        "hub": hub["repo"] if hub is not None else None,
-        "versions": [__version__, torch.__version__, _library_version(module), sys.version_info[:2]],
-    }
-    key = hashlib.blake2b(json.dumps(material, sort_keys=True, default=str).encode(), digest_size=20).hexdigest()
-    # The same identities, by the path the loader opens, for the server to check again on every hit.
-    checks = [FileCheck(root if not row[0] else os.path.join(root, row[0]), *row[1:])
-              for root, rows in files.items() for row in rows]  # fmt: skip
-    if len(checks) > MAX_FILE_CHECKS or len(json.dumps(checks)) > REQUEST.header * 3 // 4:  # as the header holds them
-        raise Uncacheable(f"the call's arguments name too many files (at most {MAX_FILE_CHECKS}, in a request)")
-    name = f"{cls.__qualname__}.{point.rpartition('.')[2]}" if cls is not None else split_point(point).qualname
-    shown = next((a for a in args if isinstance(a, (str, os.PathLike))), "")
-    return {
-        "get": Get(
-            key,
-            Call(point, owner, pickler.ref_keys),
-            f"{name}({os.fspath(shown)!r}{', ...' if len(args) + len(kwargs) > 1 else ''})",
-            entries.plugin_list(pickler.plugins_used),
-            _working_directory(),
-            checks,
-        ),
-        "key": key,
-        "payload": stream,
-        "ref_objects": pickler.ref_objects,
-        "kwargs": kwargs,  # as the loader is to call it (a Hub id pinned to the commit the key names)
-    }
 
 
 class Client:
@@ -563,19 +236,19 @@ class _Filer:
         self._reports: dict[int, tuple[Get, bytearray]] = {}
 
     def file(
-        self, request: dict[str, Any], value: Any, refs: list[Any], *, files: bool, fork: bool, start: bool = False
+        self, request: Request, value: Any, refs: list[Any], *, files: bool, fork: bool, start: bool = False
     ) -> None:
         """Start filing ``value`` as the entry of ``request`` (``files``: the server takes references to
         checkpoint files; ``fork``: captured by a forked child, else in this thread; ``start``: the forked child
         starts a server first). Raises what capturing raises, where it happens in this thread."""
-        put = Put(request["get"], JobResult([], []), len(request["payload"]))
+        put = Put(request.get, JobResult([], []), len(request.payload))
         with self._lock:
             previous, self._last = self._last, None
             read, write = os.pipe()
             try:
                 if fork:
                     try:
-                        self._fork(put, request["payload"], value, refs, files, previous, write, start)
+                        self._fork(put, request.payload, value, refs, files, previous, write, start)
                     finally:
                         os.close(write)  # the child's copy is the one that counts
                 else:
@@ -586,7 +259,7 @@ class _Filer:
                         raise
                     self._writers.add(write)
                     # Not threading.Thread, whose start() waits until the thread has run (milliseconds when busy).
-                    send = (dataclasses.replace(put, result=result), request["payload"] + stream, fds, previous, write)
+                    send = (dataclasses.replace(put, result=result), request.payload + stream, fds, previous, write)
                     try:
                         _thread.start_new_thread(self._send_after, send)
                     except BaseException:
@@ -936,14 +609,14 @@ _handover: list[tuple[dict[str, Any], bytes]] = []
 _handover_lock = threading.Lock()
 
 
-def _fill_in_new_server(request: dict[str, Any]) -> None:
+def _fill_in_new_server(request: Request) -> None:
     """No server answered a miss to be filled in the background: hand it to the server this process starts
     :data:`SPAWN_DELAY` seconds after its first such miss, or at its exit (:func:`_hand_over`), over a socket the
     server serves as its first connection, so that the caller waits for nothing and the server's start does not
     compete with the loads that follow. Never raises: without a server, only the cache goes without."""
-    get = dataclasses.replace(request["get"], fill=True, background=True)
+    get = dataclasses.replace(request.get, fill=True, background=True)
     with _handover_lock:
-        _handover.append((get.encode(), request["payload"]))
+        _handover.append((get.encode(), request.payload))
         first = len(_handover) == 1 and not _spawner
     if first:
         with contextlib.suppress(RuntimeError):  # no thread at interpreter shutdown: the exit hands them over
@@ -1018,8 +691,8 @@ def cached_call(
             _warn_once(f"uncacheable:{point}", str(e))
             return original(*args, **kwargs)
         mode = fill_mode()
-        if request["key"] in _UNCAPTURABLE:  # said once already; nothing to capture, nothing to ask
-            return original(*args, **request["kwargs"])
+        if request.key in _UNCAPTURABLE:  # said once already; nothing to capture, nothing to ask
+            return original(*args, **request.kwargs)
         try:
             result = _fetch(request, args, kwargs, autostart=autostart, fill=mode != "server",
                             background=mode == "background")  # fmt: skip
@@ -1027,27 +700,27 @@ def cached_call(
             _warn_once(f"error:{type(e).__name__}", str(e))
             return original(*args, **kwargs)
         if isinstance(result, Miss) and result.uncacheable is not None:  # a process found it cannot be captured
-            _warn_uncapturable(request["get"], result.uncacheable)
-            return original(*args, **request["kwargs"])
+            _warn_uncapturable(request.get, result.uncacheable)
+            return original(*args, **request.kwargs)
         if isinstance(result, Miss):  # load it here, as without the cache; the server gets it afterwards
-            log.info("cache miss: %s (loading it here, then filing it)", request["get"].describe)
+            log.info("cache miss: %s (loading it here, then filing it)", request.get.describe)
             # With MISS_PREFETCH_ENV, the checkpoints the call will read come in from the disk while the library
             # imports and builds its modules (measured slower than without on the development VM: off by default).
             reading = checkpoints.start(_checkpoints_of(request))
             try:
-                value = original(*args, **request["kwargs"])
+                value = original(*args, **request.kwargs)
             finally:
                 checkpoints.stop(reading)
             if result.filling:  # the server loads the call itself, for the next process: nothing to file here
-                register_result(value, request["key"])
+                register_result(value, request.key)
             elif result is _NO_SERVER and mode == "background":
                 _fill_in_new_server(request)
-                register_result(value, request["key"])
+                register_result(value, request.key)
             else:
                 _file(request, value, args, kwargs, files=result.files, start=result is _NO_SERVER)
             return value
-        log.info("cache hit: %s", request["get"].describe)
-        register_result(result, request["key"])
+        log.info("cache hit: %s", request.get.describe)
+        register_result(result, request.key)
         return result
     finally:
         _state.depth = 0
@@ -1060,18 +733,18 @@ def _prefetch_file(fd: int) -> None:
         readahead.start_file(fd, name=f"a cache entry's file (fd {fd})")
 
 
-def _checkpoints_of(request: dict[str, Any]) -> list[str]:
+def _checkpoints_of(request: Request) -> list[str]:
     """The checkpoint files among those the request's key was computed from that the call will likely read, when
     :data:`MISS_PREFETCH_ENV` asks for their prefetch."""
     if os.environ.get(MISS_PREFETCH_ENV, "").strip().lower() not in ("1", "on", "true", "yes"):
         return []
-    variant = request["kwargs"].get("variant")
-    checks: list[FileCheck] = request["get"].files
+    variant = request.kwargs.get("variant")
+    checks: list[FileCheck] = request.get.files
     return checkpoints.likely_read(((c.path, c.size) for c in checks), variant if isinstance(variant, str) else None)
 
 
 def _file(
-    request: dict[str, Any],
+    request: Request,
     value: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -1083,7 +756,7 @@ def _file(
     stay out of the entry), without making the caller wait (see :class:`_Filer`). ``start``: no server answered
     the call; one is started now (by the filing child where it forks), after the load, which a starting server
     (a Python importing the package, on another core or on this one) would have slowed."""
-    refs = request["ref_objects"] + entries.argument_slots(args, kwargs)
+    refs = request.ref_objects + entries.argument_slots(args, kwargs)
     start = start and _claim_spawn()
     fork = _fork_is_safe()
     if start and not fork:
@@ -1097,10 +770,10 @@ def _file(
             _warn_once(f"capture:{type(e).__name__}", f"a result cannot be cached ({type(e).__name__}: {e})", "")
             return
         reason = _uncapturable_reason(value, refs, e)
-        _warn_uncapturable(request["get"], reason)
-        _report_uncapturable(request["get"], reason)  # one round trip (rare: where a result cannot be captured)
+        _warn_uncapturable(request.get, reason)
+        _report_uncapturable(request.get, reason)  # one round trip (rare: where a result cannot be captured)
         return
-    register_result(value, request["key"])
+    register_result(value, request.key)
 
 
 def _is_uncapturable(error: BaseException) -> bool:
@@ -1157,7 +830,7 @@ def _report_uncapturable(get: Get, reason: str) -> None:
 
 
 def _fetch(
-    request: dict[str, Any],
+    request: Request,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
@@ -1177,10 +850,10 @@ def _fetch(
         start_server_in_background()
         client = Client()
     _close_spawner()  # a server answers: what it started with is no longer needed
-    get = dataclasses.replace(request["get"], fill=fill, background=fill and background)
+    get = dataclasses.replace(request.get, fill=fill, background=fill and background)
     with client:
         header, stream, fds = client.request(
-            get, request["payload"], timeout=min(_timeout(), HIT_TIMEOUT) if fill else _timeout()
+            get, request.payload, timeout=min(_timeout(), HIT_TIMEOUT) if fill else _timeout()
         )
     if header.get("miss"):
         for fd in fds:
@@ -1196,7 +869,7 @@ def _fetch(
         for fd in fds:
             os.close(fd)
     _prefaulter.submit(mappings.values())
-    refs = request["ref_objects"] + entries.argument_slots(args, kwargs)
+    refs = request.ref_objects + entries.argument_slots(args, kwargs)
     try:
         return entries.load_entry(stream, reply.buffers, mappings, refs, reply.plugins)
     except CacheError:
