@@ -80,8 +80,8 @@ exit codes:
 _ENVIRONMENT = """\
 environment:
   ZEROCOPY_PICKLE_NATIVE     0/python, 1/native, or auto (default): the backend (see `native`)
-  ZEROCOPY_PICKLE_CACHE      where native builds are cached (default $XDG_CACHE_HOME/zerocopy_pickle,
-                             else ~/.cache/zerocopy_pickle)
+  ZEROCOPY_PICKLE_HOME       the library's files: native builds, URL downloads (default
+                             $XDG_CACHE_HOME/zerocopy_pickle, else ~/.cache/zerocopy_pickle)
   ZEROCOPY_PICKLE_CACHE_DIR  the model cache server's private directory (default
                              $XDG_RUNTIME_DIR/zerocopy_pickle, else /tmp/zerocopy_pickle-UID)
   ZEROCOPY_PICKLE_DISABLE_PLUGINS  comma-separated plugin names not to load
