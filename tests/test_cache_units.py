@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import run_python
 from zerocopy_pickle import arena
-from zerocopy_pickle.cache import client, filebacked, keys, loader, protocol
+from zerocopy_pickle.cache import client, filebacked, filing, keys, loader, protocol
 from zerocopy_pickle.cache.keys import Request, Uncacheable, _fingerprint, describe
 from zerocopy_pickle.cache.messages import MAX_FILE_CHECKS, BufferRow, FileCheck, Get
 from zerocopy_pickle.cache.store import Entry, Store
@@ -452,7 +452,7 @@ def test_store_refuses_a_file_segment_that_is_not_a_regular_file() -> None:
 
 
 def test_filing_children_keep_the_heap_out_of_collections_until_the_last_one_is_gone() -> None:
-    freeze = client._GcFreeze()
+    freeze = filing._GcFreeze()
     assert gc.get_freeze_count() == 0
     try:
         freeze.before_fork()
@@ -471,7 +471,7 @@ def test_filing_children_keep_the_heap_out_of_collections_until_the_last_one_is_
 
 
 def test_filing_leaves_a_program_s_own_gc_freeze_alone() -> None:
-    freeze = client._GcFreeze()
+    freeze = filing._GcFreeze()
     try:
         gc.freeze()  # the program's own (a pre-fork server does this before forking its workers)
         own = gc.get_freeze_count()
@@ -484,7 +484,7 @@ def test_filing_leaves_a_program_s_own_gc_freeze_alone() -> None:
 
 
 def test_filing_never_thaws_what_a_program_froze_while_children_lived() -> None:
-    freeze = client._GcFreeze()
+    freeze = filing._GcFreeze()
     try:
         freeze.before_fork()
         ours = gc.get_freeze_count()
@@ -532,9 +532,9 @@ def test_a_filing_childs_records_go_to_fill_log(tmp_path: Path) -> None:
     run_python(
         """
         import logging, sys
-        from zerocopy_pickle.cache import client
+        from zerocopy_pickle.cache import filing
         logging.getLogger("zerocopy_pickle").addHandler(logging.StreamHandler(sys.stdout))  # the caller's
-        client._detach_stdio()
+        filing._detach_stdio()
         logging.getLogger("zerocopy_pickle.cache.client").error("filing X failed: boom")
         """,
         env={"ZEROCOPY_PICKLE_CACHE_DIR": str(directory)},
@@ -579,7 +579,7 @@ def test_filing_never_counts_the_frozen_heap(monkeypatch: pytest.MonkeyPatch) ->
         return seen[-1]
 
     monkeypatch.setattr(gc, "get_freeze_count", counting)
-    freeze = client._GcFreeze()
+    freeze = filing._GcFreeze()
     try:
         freeze.before_fork()
         freeze.before_fork()

@@ -26,12 +26,16 @@ from typing import TYPE_CHECKING, Any
 from .protocol import CacheError, runtime_dir, socket_path
 
 if TYPE_CHECKING:
-    from .client import CacheWarning, Client, cached_key, start_server_in_background
+    from .filing import CacheWarning
+    from .keys import cached_key
     from .patch import DEFAULT_PATCH_POINTS, patch_all, patched_points, unpatch_all
+    from .transport import Client, start_server_in_background
 
 # The client side imports torch; the server must not (it would cost it a second and hundreds of MiB): PEP 562.
 _LAZY = {
-    **dict.fromkeys(("CacheWarning", "Client", "cached_key", "start_server_in_background"), "client"),
+    "CacheWarning": "filing",
+    "cached_key": "keys",
+    **dict.fromkeys(("Client", "start_server_in_background"), "transport"),
     **dict.fromkeys(("DEFAULT_PATCH_POINTS", "patch_all", "patched_points", "unpatch_all"), "patch"),
 }
 
@@ -65,12 +69,12 @@ __all__ = [
 
 
 def _flush() -> None:
-    """Wait until the results this process loaded itself reached the server (see ``client._Filer``)."""
+    """Wait until the results this process loaded itself reached the server (see ``filing._Filer``)."""
     import sys
 
-    client = sys.modules.get(f"{__name__}.client")
-    if client is not None:
-        client._filer.drain()
+    filing = sys.modules.get(f"{__name__}.filing")
+    if filing is not None:
+        filing._filer.drain()
 
 
 def status() -> dict[str, Any]:
@@ -86,8 +90,8 @@ def status() -> dict[str, Any]:
         info = cache.status()  # what `zerocopy-pickle status --json` prints
         ```
     """
-    from .client import Client
     from .messages import StatusReply, StatusRequest
+    from .transport import Client
 
     _flush()
     with Client() as client:
@@ -97,8 +101,8 @@ def status() -> dict[str, Any]:
 
 def clear() -> int:
     """Drop every entry of the running server; return how many there were."""
-    from .client import Client
     from .messages import Clear, Cleared
+    from .transport import Client
 
     _flush()
     with Client() as client:
@@ -108,8 +112,8 @@ def clear() -> int:
 
 def stop() -> None:
     """Stop the running server."""
-    from .client import Client
     from .messages import Stop
+    from .transport import Client
 
     with Client() as client:
         client.request(Stop())

@@ -512,7 +512,7 @@ _ReplyT = TypeVar("_ReplyT", Pong, Done, Cleared, StatusReply)
 
 
 def decode_reply(header: dict[str, Any], kind: type[_ReplyT]) -> _ReplyT:
-    """A successful reply of ``kind`` (a :class:`Failure` is raised by the caller first: see ``client.py``).
+    """A successful reply of ``kind`` (a :class:`Failure` is raised by the caller first: see ``transport.Client``).
 
     Raises:
         ProtocolError: it is malformed.

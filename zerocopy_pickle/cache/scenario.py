@@ -34,9 +34,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .client import Client
 from .messages import StatusReply, StatusRequest, Stop
 from .protocol import DIR_ENV, CacheError
+from .transport import Client
 
 __all__ = ["REMOTE_STEP", "SMALL_STEPS", "STEPS", "measure", "measure_autostart", "print_table", "run_demo"]
 
