@@ -22,9 +22,9 @@ from .conftest import REPO, run_python
 class ServerProcess:
     """``zerocopy-pickle serve`` in its own private directory."""
 
-    def __init__(self, directory: Path, *args: str) -> None:
+    def __init__(self, directory: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.directory = directory
-        self.env = {"ZEROCOPY_PICKLE_CACHE_DIR": str(directory), "PYTHONPATH": str(REPO)}
+        self.env = {"ZEROCOPY_PICKLE_CACHE_DIR": str(directory), "PYTHONPATH": str(REPO), **(env or {})}
         self.log = open(directory.parent / f"{directory.name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "zerocopy_pickle.cache", "serve", *args],
@@ -112,10 +112,11 @@ def private_dir() -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def running_server(*args: str) -> Iterator[ServerProcess]:
-    """A server (``zerocopy-pickle serve *args``) in a private directory, stopped at the end."""
+def running_server(*args: str, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """A server (``zerocopy-pickle serve *args``, with the variables ``env`` added to its environment and its
+    clients') in a private directory, stopped at the end."""
     with private_dir() as directory:
-        process = ServerProcess(directory, *args)
+        process = ServerProcess(directory, *args, env=env)
         try:
             yield process
         finally:

@@ -40,7 +40,7 @@ from . import entries
 from .isolation import WORKDIR_ENV, clean_sys_path
 from .messages import Failure, Job, Preload, Ready
 from .points import all_patch_points, split_point
-from .protocol import CacheError, ProtocolError, receive, send
+from .protocol import CacheError, ProtocolError, fill_nice, receive, send
 
 __all__ = ["LEARNABLE", "PRELOAD", "learnable", "patch_point_modules", "zygote_main"]
 
@@ -143,10 +143,11 @@ def run_job(job: Job, payload: bytes, result: socket.socket, segment_fds: Sequen
 
 
 def lower_priority() -> None:
-    """Run this process at the lowest CPU priority (nice 19): it then takes only cycles the callers leave (a
-    background fill, or a zygote started for one). Never raises."""
+    """Run this process at the lowest CPU priority (nice 19, :func:`protocol.fill_nice`): it then takes only cycles
+    the callers leave (a background fill, or a zygote started for one). Never raises (a process already nicer than
+    that stays as it is)."""
     with contextlib.suppress(OSError):
-        os.nice(19 - os.nice(0))
+        os.nice(max(0, fill_nice() - os.nice(0)))
 
 
 def _child(job: Job, payload: bytes, fds: list[int], workdir: str | None) -> int:

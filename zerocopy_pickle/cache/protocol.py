@@ -38,6 +38,7 @@ __all__ = [
     "CLIENT",
     "DECODE_BYTES_PER_BYTE",
     "ENTRY",
+    "FILL_NICE_ENV",
     "MAX_BUFFERS",
     "MAX_FDS",
     "MAX_JSON_DEPTH",
@@ -48,6 +49,7 @@ __all__ = [
     "Limits",
     "ProtocolError",
     "decode_header",
+    "fill_nice",
     "open_private_directory",
     "peer_credentials",
     "receive",
@@ -57,7 +59,16 @@ __all__ = [
 ]
 
 DIR_ENV = "ZEROCOPY_PICKLE_CACHE_DIR"
+FILL_NICE_ENV = "ZEROCOPY_PICKLE_CACHE_FILL_NICE"
+"""The CPU priority (nice value, 0-19) a server's background fills run at, read by the server when it starts a
+loader for them and by the loader's children; unset or anything else: 19, the lowest."""
 MAX_FDS = 250  # the kernel accepts at most 253 per SCM_RIGHTS message
+
+
+def fill_nice() -> int:
+    """The nice value background fills run at (:data:`FILL_NICE_ENV`, default 19)."""
+    value = os.environ.get(FILL_NICE_ENV, "").strip()
+    return int(value) if value.isdigit() and 0 <= int(value) <= 19 else 19
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,17 @@ from .messages import (
     decode_request,
     request_limits,
 )
-from .protocol import CLIENT, MAX_FDS, CacheError, ProtocolError, peer_credentials, receive, runtime_dir, send
+from .protocol import (
+    CLIENT,
+    MAX_FDS,
+    CacheError,
+    ProtocolError,
+    fill_nice,
+    peer_credentials,
+    receive,
+    runtime_dir,
+    send,
+)
 from .store import Entry, Store
 
 __all__ = ["IDLE_TIMEOUT", "MAX_CONNECTIONS", "Server", "serve"]
@@ -67,13 +77,17 @@ log = logging.getLogger(__name__)
 
 LOADER_TIMEOUT = 3600.0
 
-_NICE_LOADER = [
-    "-c",
-    "import os, runpy; os.nice(19); "
-    "runpy.run_module('zerocopy_pickle.cache.loader', run_name='__main__', alter_sys=True)",
-]
-"""How the zygote of a background fill is started: at nice 19 before it imports anything (the loader module
-imports torch: 0.9 s of CPU), not only once ``zygote_main`` runs (no ``preexec_fn``: the server has threads)."""
+
+def _nice_loader() -> list[str]:
+    """How the zygote of a background fill is started: at nice 19 (:func:`protocol.fill_nice`) before it imports
+    anything (the loader module imports torch: 0.9 s of CPU), not only once ``zygote_main`` runs (no
+    ``preexec_fn``: the server has threads)."""
+    return [
+        "-c",
+        f"import os, runpy; os.nice({fill_nice()}); "
+        "runpy.run_module('zerocopy_pickle.cache.loader', run_name='__main__', alter_sys=True)",
+    ]
+
 
 MAX_FILLING = 64
 """Background fills running or waiting at once; a miss beyond them is the client's to file."""
@@ -254,7 +268,7 @@ class Server:
         self._zygote = subprocess.Popen(
             [
                 sys.executable,
-                *(_NICE_LOADER if background else ["-m", "zerocopy_pickle.cache.loader"]),
+                *(_nice_loader() if background else ["-m", "zerocopy_pickle.cache.loader"]),
                 str(child.fileno()),
                 *(["background"] if background else []),
             ],
