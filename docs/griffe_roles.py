@@ -136,8 +136,9 @@ def rewrite(obj: griffe.Object) -> None:
 def unshadow(module: griffe.Module) -> None:
     """A name a package imports over its submodule's name names the import, as at run time.
 
-    ``zerocopy_pickle.reducers`` is the function ``registry.reducers`` (``from .registry import reducers`` in
-    ``__init__``), not the internal submodule ``zerocopy_pickle/reducers.py`` that griffe would otherwise see.
+    A package that binds a name over a submodule of the same name (``from .x import y`` where ``y.py`` exists
+    too) documents the bound object, not the submodule griffe would otherwise see. (The reducer table's module
+    was once ``reducers.py``, under the top-level function ``reducers``; it is ``reducer_table.py`` now.)
     """
     for name, target in module.imports.items():
         member = module.members.get(name)

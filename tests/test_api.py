@@ -64,6 +64,20 @@ def test_error_hierarchy() -> None:
         assert issubclass(error, zp.ZeroCopyPickleError)
 
 
+def test_no_public_name_shadows_a_submodule() -> None:
+    """``import zerocopy_pickle.X as x`` never gives an object the package binds over a submodule named X: each
+    top-level name is either a submodule itself or no submodule has its name (``zp.reducers``, the function, once
+    hid the reducer table's module ``reducers.py``)."""
+    submodules = {info.name for info in pkgutil.iter_modules(zp.__path__)}
+    for name in zp.__all__:
+        value = getattr(zp, name)
+        if name in submodules:
+            assert inspect.ismodule(value), f"zerocopy_pickle.{name} is a {type(value).__name__} over a submodule"
+    assert callable(zp.reducers)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("zerocopy_pickle.reducers")
+
+
 def test_version_matches_distribution_metadata() -> None:
     assert importlib.metadata.version("zerocopy-pickle") == zp.__version__
 

@@ -20,7 +20,7 @@ from typing import cast
 
 from .errors import ArgumentError, PluginError
 from .names import GlobalName
-from .reducers import Reducer
+from .reducer_table import Reducer
 
 __all__ = [
     "ENABLED",

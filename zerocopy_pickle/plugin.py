@@ -48,7 +48,7 @@ from .errors import (
     UnsafeArgumentError,
     ZeroCopyPickleError,
 )
-from .reducers import ReduceFunction, Reducer, type_key
+from .reducer_table import ReduceFunction, Reducer, type_key
 from .registrar import Registrar
 from .registry import Registry, default_registry
 

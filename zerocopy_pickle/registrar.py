@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from .declarations import PluginInfo, check_module_prefix, global_pairs
 from .errors import ArgumentError
-from .reducers import ReduceFunction, Reducer, ReducerTable, make_reducer
+from .reducer_table import ReduceFunction, Reducer, ReducerTable, make_reducer
 
 __all__ = ["PluginDraft", "Registrar", "run_registration"]
 

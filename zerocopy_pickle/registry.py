@@ -3,7 +3,7 @@
 Not a public module: :class:`Registry`, :func:`default_registry` and the module-level functions are public
 through the top-level ``zerocopy_pickle`` namespace and :mod:`zerocopy_pickle.plugin`. The parts, one job each:
 
-* :mod:`~zerocopy_pickle.reducers`: the reducer table and its MRO lookup by type name (registering never
+* :mod:`~zerocopy_pickle.reducer_table`: the reducer table and its MRO lookup by type name (registering never
   imports the library a reducer is about);
 * :mod:`~zerocopy_pickle.discovery`: the entry-point group ``zerocopy_pickle.plugins``, disabling by
   ``ZEROCOPY_PICKLE_DISABLE_PLUGINS``, the warning for a plugin that fails;
@@ -30,7 +30,7 @@ from . import declarations, preparation
 from .declarations import PluginInfo, check_safe_global, global_pairs, top_package
 from .discovery import DISABLE_ENV, ENTRY_POINT_GROUP, PluginWarning, entry_points, resolve_name, warn_failed
 from .errors import PluginError
-from .reducers import ReduceFunction, Reducer, ReducerTable, make_reducer, type_key
+from .reducer_table import ReduceFunction, Reducer, ReducerTable, make_reducer, type_key
 from .registrar import Registrar, run_registration
 
 __all__ = [
