@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -122,6 +124,21 @@ TIED_NET_ALLOW = [
 def tied_net() -> TiedNet:
     torch.manual_seed(0)
     return TiedNet().eval()
+
+
+def settled() -> tuple[set[str], set[threading.Thread]]:
+    """This process's open fds and live threads after a full collection: the baseline a test compares what the
+    code under test leaves behind with. In a parallel run a worker process has run other tests before, and their
+    garbage (files, mappings, finished threads) may otherwise be collected in the middle of this test."""
+    gc.collect()
+    return set(os.listdir("/proc/self/fd")), set(threading.enumerate())
+
+
+def left_behind(before: tuple[set[str], set[threading.Thread]]) -> tuple[set[str], set[threading.Thread]]:
+    """The fds open and the threads alive now that were not in ``before`` (:func:`settled`): what a test asserts
+    is empty once the code under test is done."""
+    fds, threads = set(os.listdir("/proc/self/fd")), set(threading.enumerate())
+    return fds - before[0], threads - before[1]
 
 
 def header_of(data: bytes) -> fmt.Header:

@@ -17,6 +17,8 @@ import torch
 import zerocopy_pickle as zp
 from zerocopy_pickle import arena, integrity
 
+from .conftest import left_behind, settled
+
 MiB = 1 << 20
 
 
@@ -141,11 +143,11 @@ def test_a_failed_write_stops_the_hashing_thread_and_raises(tmp_path: Path, monk
 
     monkeypatch.setattr(arena, "write_placed", failing_write)
     buffers = [os.urandom(64 * 4096) for _ in range(64)]
-    before = threading.active_count()
+    before = settled()
     with pytest.raises(OSError) as info:
         integrity.write_checksummed(-1, [(i * 64 * 4096, b) for i, b in enumerate(buffers)])
     assert info.value.errno == errno.ENOSPC
-    assert threading.active_count() == before  # joined, not left running
+    assert left_behind(before)[1] == set()  # joined, not left running
     assert hashed == [4096]  # it stopped at the next slice
 
 

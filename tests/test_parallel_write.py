@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 import zerocopy_pickle as zp
 from zerocopy_pickle import arena, integrity
 
+from .conftest import left_behind, settled
+
 MiB = 1 << 20
 W = arena.WRITE_CHUNK
 
@@ -239,11 +241,11 @@ def test_a_failed_write_in_the_second_thread_fails_the_dump_and_keeps_the_old_sn
     monkeypatch.setattr(integrity, "_usable_cpus", lambda: 2)
     monkeypatch.setattr(integrity, "PARALLEL_HASH_MIN_NBYTES", 0)
     writers = fail_in_worker(monkeypatch, nth)
-    threads = threading.active_count()
+    before_run = settled()
     with pytest.raises(OSError) as info:
         zp.dump({f"w{i}": torch.randn(MiB // 2 + i) for i in range(24)}, path, **options)
     assert info.value.errno == errno.ENOSPC
-    assert threading.active_count() == threads  # every writing thread joined
+    assert left_behind(before_run)[1] == set()  # every writing thread joined
     assert any(name.startswith("zerocopy_pickle-write") for name in writers)
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["s.zcp"]
@@ -270,11 +272,11 @@ def test_a_failure_in_the_calling_thread_stops_the_other_and_raises_once(
         return pwrite(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", failing_pwrite)
-    threads = threading.active_count()
+    before = settled()
     with pytest.raises(OSError) as info:
         zp.dump({f"w{i}": torch.randn(MiB + 3) for i in range(16)}, tmp_path / "x.zcp")
     assert info.value.errno == errno.EIO
-    assert threading.active_count() == threads
+    assert left_behind(before)[1] == set()
     assert len(worker_calls) <= 1  # the chunk it had started, then it stopped
     monkeypatch.undo()
     assert os.listdir(tmp_path) == []

@@ -21,6 +21,8 @@ from tests.test_transfer_cold import delta, stats
 from zerocopy_pickle import readahead
 from zerocopy_pickle.errors import ArgumentError, RestrictedLoadError
 
+from .conftest import left_behind, settled
+
 MIB = 1 << 20
 
 
@@ -102,11 +104,11 @@ def test_a_prefetch_brings_an_evicted_file_into_the_page_cache(tmp_path: Path) -
 def test_prefetch_reads_through_streams_of_their_own_and_leaves_no_fd_open(tmp_path: Path) -> None:
     path = write_file(tmp_path / "f.bin", 256 * MIB)
     evict(path)
-    before = open_fds()
+    before = settled()
     job = zp.prefetch(path, streams=4, wait=True)
     assert job is not None and job.done
     assert job.streams == 4
-    assert open_fds() == before
+    assert left_behind(before)[0] == set()
     assert zp.prefetches() == []
 
 

@@ -16,7 +16,6 @@ import itertools
 import mmap
 import os
 import random
-import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ import zerocopy_pickle as zp
 from zerocopy_pickle import loadcore, readahead, transfer
 from zerocopy_pickle.transfer import DIRECT_ALIGNMENT, SourceFile, plan, plan_reads
 
+from .conftest import left_behind, settled
 from .test_transfer import FakeBackend, Layout, cold_folder, direct_io_works, evict, raw
 
 CUDA0 = torch.device("cuda:0")
@@ -304,14 +304,14 @@ def test_a_truncated_file_is_a_snapshot_error_and_frees_everything(disk: Path) -
     real_pinned = fake.pinned
     fake.pinned = lambda n: pinned.append(weakref.ref(t := real_pinned(n))) or t  # type: ignore[method-assign]
     os.truncate(layout.path, 150_000)
-    fds, threads = open_fds(), threading.active_count()
+    before = settled()
     with pytest.raises(zp.SnapshotError, match="truncated") as info:
         layout.move(fake, chunk_bytes=65536)
     assert not isinstance(info.value, zp.DeviceError)
     gc.collect()
     assert fake.allocations and fake.allocations[0]() is None, "the device allocation is freed"
     assert pinned and all(ref() is None for ref in pinned), "the pinned slots are freed"
-    assert open_fds() == fds and threading.active_count() == threads
+    assert left_behind(before) == (set(), set())
 
 
 def test_a_failed_allocation_or_pinning_is_a_device_error(disk: Path) -> None:
@@ -330,11 +330,11 @@ def test_a_failed_allocation_or_pinning_is_a_device_error(disk: Path) -> None:
         raise RuntimeError("CUDA error: out of memory (fake cudaHostAlloc)")
 
     fake.pinned = no_pinned  # type: ignore[method-assign]
-    fds = open_fds()
+    before = settled()
     with pytest.raises(zp.DeviceError, match="transfer of 100000 bytes to cuda:0 failed"):
         layout.move(fake)
     gc.collect()
-    assert fake.allocations[0]() is None and open_fds() == fds
+    assert fake.allocations[0]() is None and left_behind(before)[0] == set()
 
 
 def test_a_failed_copy_waits_for_the_copies_before_it_and_frees_everything(disk: Path) -> None:
@@ -357,9 +357,9 @@ def test_a_failed_copy_waits_for_the_copies_before_it_and_frees_everything(disk:
 
 def test_no_fd_or_thread_outlives_a_transfer(disk: Path) -> None:
     layout = Layout(disk / "file", [(0, 3 << 20), (7, 11)])
-    fds, threads = open_fds(), threading.active_count()
+    before = settled()
     assert [raw(m) for m in layout.move(FakeBackend(), chunk_bytes=1 << 20)] == layout.expected()
-    assert open_fds() == fds and threading.active_count() == threads
+    assert left_behind(before) == (set(), set())
 
 
 def test_a_source_must_give_one_offset_per_storage() -> None:
