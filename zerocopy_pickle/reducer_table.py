@@ -24,8 +24,9 @@ ReduceFunction = Callable[[Any], Any]
 
 
 def type_key(cls: type) -> str:
-    """``"module:QualName"`` of a class, the key reducers are registered under."""
-    return str(GlobalName(cls.__module__, cls.__qualname__))
+    """``"module:QualName"`` of a class, the key reducers are registered under (``str(GlobalName(...))``, written
+    out: every pickled object's lookup calls this for each class of its MRO)."""
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def target_key(target: object) -> tuple[str, type | None]:

@@ -225,14 +225,13 @@ def format_global(pair: tuple[str, str]) -> str:
 
 
 def _pair_of(obj: Any) -> tuple[str, str]:
-    module = getattr(obj, "__module__", None)
-    qualname = getattr(obj, "__qualname__", None)
-    if not isinstance(module, str) or not isinstance(qualname, str):
+    name = GlobalName.of(obj)
+    if name is None:
         raise ArgumentError(
             f"allow= entries must be classes, functions, 'module:qualname' strings or (module, qualname) "
             f"tuples; {obj!r:.80} has no __module__/__qualname__ (pass its 'module:qualname' string instead)"
         )
-    return module, qualname
+    return name.pair
 
 
 def safe_globals() -> Mapping[tuple[str, str], object]:
