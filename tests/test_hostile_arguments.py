@@ -18,7 +18,7 @@ import zerocopy_pickle as zp
 from zerocopy_pickle import validate
 from zerocopy_pickle.plugin import default_registry
 from zerocopy_pickle.rebuild import Placement, StorageBuilder
-from zerocopy_pickle.safeglobals import safe_table
+from zerocopy_pickle.safe_set import safe_table
 from zerocopy_pickle.testing import check_hostile_arguments, hostile_values
 
 from .hostile_streams import as_snapshot

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import native, safeglobals, semantics, validate
+from zerocopy_pickle import native, safe_set, safeglobals, semantics, validate
 from zerocopy_pickle.errors import RestrictedLoadError, UnsafeArgumentError
 
 from .hostile_streams import NEXT_BUFFER, G, Op, as_snapshot, call, newobj, program
@@ -380,7 +380,7 @@ def test_rebuilds_charge_the_load_budget() -> None:
 
 
 def test_the_rebuilds_are_in_the_safe_set_and_callable() -> None:
-    table = safeglobals.safe_table()
+    table = safe_set.safe_table()
     for pair in (ND, SCALAR, DTYPE):
         assert table[pair].callable and not table[pair].result_ops
 

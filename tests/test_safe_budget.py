@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import safeglobals, validate
+from zerocopy_pickle import safe_set, validate
 
 from .conftest import header_of
 from .hostile_streams import G, as_snapshot, call, memo_get, memo_put, program
@@ -45,12 +45,12 @@ def spent(fn: Any, *args: Any) -> int:
 @pytest.mark.parametrize(
     ("fn", "value", "cost"),
     [
-        (safeglobals.safe_int, "9" * 4000, 4000),
-        (safeglobals.safe_float, "1" * 5000, 5000),
-        (safeglobals.safe_str, 10**3000, (10**3000).bit_length() >> 3),
-        (safeglobals.safe_device, "cpu", 3),
-        (safeglobals.safe_get_layout, "torch.strided", len("torch.strided")),
-        (safeglobals.safe_rebuild_memory_format, "channels_last", len("channels_last")),
+        (safe_set.safe_int, "9" * 4000, 4000),
+        (safe_set.safe_float, "1" * 5000, 5000),
+        (safe_set.safe_str, 10**3000, (10**3000).bit_length() >> 3),
+        (safe_set.safe_device, "cpu", 3),
+        (safe_set.safe_get_layout, "torch.strided", len("torch.strided")),
+        (safe_set.safe_rebuild_memory_format, "channels_last", len("channels_last")),
     ],
     ids=["int", "float", "str-of-int", "device", "layout", "memory_format"],
 )
@@ -92,17 +92,17 @@ def test_int_and_str_of_too_many_digits_raise_this_library_s_error(limit: int | 
         sys.set_int_max_str_digits(limit)
     try:
         with pytest.raises(zp.UnsafeArgumentError, match="builtins:int"):
-            safeglobals.safe_int("9" * 5000)
+            safe_set.safe_int("9" * 5000)
         with pytest.raises(zp.UnsafeArgumentError, match="builtins:str"):
-            safeglobals.safe_str(10**5000)
+            safe_set.safe_str(10**5000)
         if limit == 640:  # Python's lower limit, inside the safe set's: its ValueError, converted
             with pytest.raises(zp.UnsafeArgumentError, match="builtins:int"):
-                safeglobals.safe_int("9" * 1000)
+                safe_set.safe_int("9" * 1000)
             with pytest.raises(zp.UnsafeArgumentError, match="builtins:str"):
-                safeglobals.safe_str(10**1000)
+                safe_set.safe_str(10**1000)
         else:
-            assert safeglobals.safe_int("9" * 4300) == 10**4300 - 1
-            assert safeglobals.safe_str(10**4299) == "1" + "0" * 4299
+            assert safe_set.safe_int("9" * 4300) == 10**4300 - 1
+            assert safe_set.safe_str(10**4299) == "1" + "0" * 4299
     finally:
         sys.set_int_max_str_digits(old)
 
@@ -110,13 +110,13 @@ def test_int_and_str_of_too_many_digits_raise_this_library_s_error(limit: int | 
 @pytest.mark.parametrize(
     ("fn", "args"),
     [
-        (safeglobals.safe_complex, (10**400, 0)),
-        (safeglobals.safe_complex, (0, 10**400)),
-        (safeglobals.safe_float, (10**400,)),
-        (safeglobals.safe_int, (float("inf"),)),
-        (safeglobals.safe_int, (float("nan"),)),
-        (safeglobals.safe_int, ("12x",)),
-        (safeglobals.safe_float, ("1.5.5",)),
+        (safe_set.safe_complex, (10**400, 0)),
+        (safe_set.safe_complex, (0, 10**400)),
+        (safe_set.safe_float, (10**400,)),
+        (safe_set.safe_int, (float("inf"),)),
+        (safe_set.safe_int, (float("nan"),)),
+        (safe_set.safe_int, ("12x",)),
+        (safe_set.safe_float, ("1.5.5",)),
     ],
 )
 def test_failed_conversions_are_unsafe_argument_errors(fn: Any, args: tuple[Any, ...]) -> None:
@@ -150,15 +150,15 @@ def test_the_walk_charges_every_element_it_visits() -> None:
     inner = (1, 2, 3)
     outer = (inner, inner, inner, "abcd", b"xy")
     # the list (2) + outer (5) + inner three times (3 each) + "abcd" (4) + b"xy" (2) + "z" (1)
-    assert spent(safeglobals.safe_frozenset, [outer, "z"]) == 2 + 5 + 9 + 4 + 2 + 1
-    assert spent(safeglobals.safe_ordered_dict, [("k", outer)]) == 1 + 2 + 1 + 5 + 9 + 4 + 2
+    assert spent(safe_set.safe_frozenset, [outer, "z"]) == 2 + 5 + 9 + 4 + 2 + 1
+    assert spent(safe_set.safe_ordered_dict, [("k", outer)]) == 1 + 2 + 1 + 5 + 9 + 4 + 2
 
 
 def test_ints_are_charged_their_size_before_they_are_hashed() -> None:
     """Hashing an int reads every digit and is never cached: a set of many references to one huge int is charged
     its size for each."""
     huge = 1 << 80_000
-    assert spent(safeglobals.safe_set, [huge] * 10) == 10 + 10 * (huge.bit_length() >> 3)
+    assert spent(safe_set.safe_set, [huge] * 10) == 10 + 10 * (huge.bit_length() >> 3)
     stream = program(call(G("builtins", "set"), [memo_put(huge, 0)] + [memo_get(0)] * 5000))
     with pytest.raises(zp.SnapshotError, match="amplification"):
         zp.loads(as_snapshot(stream))
@@ -251,7 +251,7 @@ def test_the_copies_are_charged() -> None:
     indices = torch.zeros(2, 1000, dtype=torch.int64)
     values = torch.ones(1000)
     # the indices copied (2000) and the values the check reads (1000)
-    assert spent(safeglobals.safe_rebuild_sparse_tensor, torch.sparse_coo, (indices, values, (4, 4))) == 3000
+    assert spent(safe_set.safe_rebuild_sparse_tensor, torch.sparse_coo, (indices, values, (4, 4))) == 3000
 
 
 @pytest.mark.parametrize(
@@ -266,7 +266,7 @@ def test_nested_components_past_the_buffer_are_refused_without_overflow(
     sizes: list[list[int]], strides: list[list[int]], offsets: list[int]
 ) -> None:
     with pytest.raises(zp.UnsafeArgumentError, match="reaches past the buffer"):
-        safeglobals.safe_rebuild_nested_tensor(
+        safe_set.safe_rebuild_nested_tensor(
             torch.arange(4.0), torch.tensor(sizes), torch.tensor(strides), torch.tensor(offsets)
         )
 
@@ -274,6 +274,6 @@ def test_nested_components_past_the_buffer_are_refused_without_overflow(
 def test_meta_index_tensors_are_refused() -> None:
     meta = torch.empty(2, 2, dtype=torch.int64, device="meta")
     with pytest.raises(zp.UnsafeArgumentError, match="meta tensor"):
-        safeglobals.safe_rebuild_sparse_tensor(torch.sparse_coo, (meta, torch.ones(2), (2, 2)))
+        safe_set.safe_rebuild_sparse_tensor(torch.sparse_coo, (meta, torch.ones(2), (2, 2)))
     with pytest.raises(zp.UnsafeArgumentError, match="meta tensor"):
-        safeglobals.safe_rebuild_nested_tensor(torch.arange(4.0), meta, torch.ones(2, 2, dtype=torch.int64), meta[0])
+        safe_set.safe_rebuild_nested_tensor(torch.arange(4.0), meta, torch.ones(2, 2, dtype=torch.int64), meta[0])

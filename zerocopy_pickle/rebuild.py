@@ -36,7 +36,7 @@ __all__ = [
 # Note [Safe globals]
 # ~~~~~~~~~~~~~~~~~~~
 # A restricted load calls rebuild functions with arguments a hostile stream chose. It never calls the functions
-# of this module directly (except StorageBuilder, which checks its own arguments): zerocopy_pickle.safeglobals
+# of this module directly (except StorageBuilder, which checks its own arguments): zerocopy_pickle._trust.safe_set
 # wraps each in a function that checks exact types, sizes and ranges first. Trusted loads call these directly.
 
 # Note [Arena lifetime]

@@ -9,7 +9,7 @@ restricted load decides both, before the C unpickler runs anything:
   by the stream's digest): which named globals it calls, instantiates, and which results it fills. REDUCE on
   anything but a named global, BUILD on anything but an object the load created, container opcodes on anything
   but containers the stream built are refused there, whatever the allow-list says.
-* **What it may name** comes from an :class:`AllowList`: the built-in safe set (:mod:`zerocopy_pickle.safeglobals`:
+* **What it may name** comes from an :class:`AllowList`: the built-in safe set (:mod:`zerocopy_pickle.safe_set`:
   validating wrappers of torch's and this library's rebuild functions, containers, primitives, dtypes), the
   declared safe globals of the plugins the snapshot's header names (functions that check their arguments), and
   the call's ``allow=``: classes the stream may instantiate and fill, objects it may reference as values, and
@@ -45,7 +45,7 @@ import torch
 from . import rebuild, semantics
 from .errors import ArgumentError, MissingGlobalError, PluginError, RestrictedLoadError, SnapshotError
 from .names import GlobalName
-from .safeglobals import safe_table
+from .safe_set import safe_table
 from .semantics import StreamUses
 from .streamcheck import walk_stream
 
@@ -236,7 +236,7 @@ def _pair_of(obj: Any) -> tuple[str, str]:
 
 def safe_globals() -> Mapping[tuple[str, str], object]:
     """The built-in safe set: every global a stream of tensors, storages and containers needs, mapped to what a
-    restricted load pushes for it (a validating function of :mod:`zerocopy_pickle.safeglobals` for callables, the
+    restricted load pushes for it (a validating function of :mod:`zerocopy_pickle.safe_set` for callables, the
     object itself for values such as dtypes). Read-only; nothing ever adds to it."""
     return _safe_values()
 
