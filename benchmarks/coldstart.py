@@ -300,7 +300,7 @@ def child(loader: str, path: str, ready: Any = None) -> dict[str, Any]:
 _CHILD = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-import torch, zerocopy_pickle, zerocopy_pickle.snapshot, safetensors.torch
+import torch, zerocopy_pickle, zerocopy_pickle._core.snapshot, safetensors.torch
 import coldstart
 
 def ready():
@@ -341,8 +341,8 @@ def cache_case(models: Path, reps: int, whole: bool) -> dict[str, list[dict[str,
     sys.path.insert(0, str(HERE))
     from cache import _paths
 
+    from zerocopy_pickle._demo import build_controlnet_pipeline
     from zerocopy_pickle.cache import scenario
-    from zerocopy_pickle.demo import build_controlnet_pipeline
 
     if not (models / "pipeline").exists():
         build_controlnet_pipeline(models, size="sd15")

@@ -9,7 +9,7 @@ Needs a CUDA device. Run it from the repository root (benchmarks/device_check.sh
 
 Part 1, in this process, from one snapshot file in the page cache (read once before): the graph is the
 pipeline's modules (``--models``: the UNet, both ControlNets, VAE and text encoder in float16, built with
-``zerocopy_pickle.demo.build_controlnet_pipeline(size="sd15")`` when DIR is empty) or ``--synthetic GB`` of
+``zerocopy_pickle._demo.build_controlnet_pipeline(size="sd15")`` when DIR is empty) or ``--synthetic GB`` of
 float16 linear layers. Each way is timed ``--repeat`` times after ``torch.cuda.empty_cache()`` (so every
 way pays its device allocations), to the end of ``torch.cuda.synchronize()``:
 
@@ -111,7 +111,7 @@ def _graph(args: argparse.Namespace) -> dict[str, Any]:
         return {"layers": torch.nn.ModuleList(torch.nn.Linear(width, width).half() for _ in range(count))}
     from diffusers import AutoencoderKL, ControlNetModel, StableDiffusionControlNetPipeline
 
-    from zerocopy_pickle.demo import build_controlnet_pipeline
+    from zerocopy_pickle._demo import build_controlnet_pipeline
 
     root = Path(args.models)
     if not (root / "pipeline").exists():

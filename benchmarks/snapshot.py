@@ -9,7 +9,7 @@ Run it from the repository root::
 Workloads (each measured with every method that can handle it):
 
 * ``tensors``: a state dict of ``--tensors`` float32 tensors of ``--tensor-mb`` MiB each (default 1000 x 2 MiB).
-* ``model-state``: the state dict of a GPT-style transformer built locally (``zerocopy_pickle.demo.build_model``,
+* ``model-state``: the state dict of a GPT-style transformer built locally (``zerocopy_pickle._demo.build_model``,
   about ``--model-mb`` MiB of float32 weights) whose output head is tied to its embedding.
 * ``model-module``: the same model as a whole ``nn.Module``. Loads are restricted everywhere: torch.load with
   ``weights_only=True`` inside ``torch.serialization.safe_globals(...)``, zerocopy_pickle with ``allow=`` (both
@@ -28,7 +28,7 @@ Methods (``--skip`` takes their keys, comma-separated):
 * ``zp-freeze``: ``zerocopy_pickle.freeze`` (a sealed memfd, no file system) / ``Snapshot.load``.
 * with ``zp``, two rows that load the ``zp`` file without a dump of their own: ``load(trusted=True)`` (no
   restrictions: the fast path of snapshots you trust and of the model cache), and a restricted load that first
-  forgets every stream analysis (``zerocopy_pickle.semantics.forget()``), i.e. the first restricted load of that
+  forgets every stream analysis (``zerocopy_pickle._trust.semantics.forget()``), i.e. the first restricted load of that
   stream in a process; the ``zp`` row's restricted loads are the later ones, which find the analysis by the
   stream's digest.
 
@@ -105,7 +105,7 @@ import torch
 
 import zerocopy_pickle as zp
 from zerocopy_pickle import semantics
-from zerocopy_pickle.demo import build_model
+from zerocopy_pickle._demo import build_model
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = 4096

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from zerocopy_pickle import format as fmt
-from zerocopy_pickle import readahead
+from tests.internals import format as fmt
+from tests.internals import readahead
 from zerocopy_pickle.plugin import default_registry
 
 REPO = Path(__file__).resolve().parent.parent
@@ -227,8 +227,8 @@ def example_plugins(tmp_path: Path) -> Iterator[InstalledPlugins]:
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Make "cuda:N" a fake bulk-transfer device (tests/test_transfer.py's ``FakeBackend``, which records every
     call); returns the backends made, one per transfer."""
-    from zerocopy_pickle import device as devices
-    from zerocopy_pickle import transfer
+    from tests.internals import device as devices
+    from tests.internals import transfer
 
     from .test_transfer import FakeBackend
 

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import format as fmt
+from tests.internals import format as fmt
+from tests.internals import safe_globals
 from zerocopy_pickle.plugin import default_registry
-from zerocopy_pickle.restricted import safe_globals
 
 
 class Op(bytes):

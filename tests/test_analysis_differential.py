@@ -1,5 +1,5 @@
-"""Differential fuzz of the stream analysis: Python (:func:`zerocopy_pickle.semantics.analyze`, after
-:func:`zerocopy_pickle.streamcheck.check_stream`) against its native twin (``analyze_stream`` in
+"""Differential fuzz of the stream analysis: Python (:func:`zerocopy_pickle._trust.semantics.analyze`, after
+:func:`zerocopy_pickle._trust.streamcheck.check_stream`) against its native twin (``analyze_stream`` in
 csrc/zerocopy_native.cpp), on streams aimed at the cost model's rules (semantics' Note [The cost model]).
 
 Each generator writes streams near one rule's edge, on both sides of it:
@@ -31,7 +31,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zerocopy_pickle import semantics
+from tests.internals import semantics
 
 from .test_native_semantics import OK, Analyzer, analyzer, assert_agree
 from .test_opcode_programs import programs, write

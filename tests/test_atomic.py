@@ -24,7 +24,7 @@ import torch
 
 import zerocopy_pickle as zp
 from tests.conftest import REPO, run_python
-from zerocopy_pickle import arena
+from tests.internals import arena
 
 MiB = 1 << 20
 

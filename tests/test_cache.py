@@ -21,9 +21,9 @@ from unittest.mock import ANY
 import pytest
 import torch
 
+from tests.internals import build_controlnet_pipeline
 from zerocopy_pickle.cache import protocol
 from zerocopy_pickle.cache.server import Server
-from zerocopy_pickle.demo import build_controlnet_pipeline
 
 from .cache_helpers import ServerProcess, build_gpt2, private_dir, run_client, running_server, wait_until
 from .conftest import REPO
@@ -662,7 +662,8 @@ def test_warm_restart_from_persistence(models: dict[str, str], tmp_path: Path) -
 
 SEALS_CLIENT = """
 import fcntl, json, os, sys, torch
-from zerocopy_pickle import arena, cache
+from zerocopy_pickle import cache
+from zerocopy_pickle._storage import arena
 from zerocopy_pickle.cache import client
 cache.patch_all(autostart=False)
 out = {"values": [torch.load(path, weights_only=True)["w"].tolist() for path in sys.argv[1:]]}

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from zerocopy_pickle import arena
+from tests.internals import arena
 from zerocopy_pickle.cache import protocol
 from zerocopy_pickle.cache.client import Client
 from zerocopy_pickle.cache.messages import BufferRow, Call, Get, JobResult, Put

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from tests.internals import readahead
 from tests.test_cache_units import entry, sealed_segment
 from tests.test_readahead import write_file
 from tests.test_transfer import evict
-from zerocopy_pickle import readahead
 from zerocopy_pickle.cache import checkpoints, client
 from zerocopy_pickle.cache.store import Store
 

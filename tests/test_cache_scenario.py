@@ -20,9 +20,9 @@ from types import ModuleType
 
 import pytest
 
+from tests.internals import build_controlnet_pipeline
 from zerocopy_pickle.cache import scenario
 from zerocopy_pickle.cache.protocol import DIR_ENV
-from zerocopy_pickle.demo import build_controlnet_pipeline
 
 from .conftest import REPO
 

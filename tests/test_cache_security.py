@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from zerocopy_pickle import arena
+from tests.internals import arena
 from zerocopy_pickle.cache import protocol
 from zerocopy_pickle.cache import store as store_module
 from zerocopy_pickle.cache.client import Client

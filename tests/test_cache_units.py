@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_python
-from zerocopy_pickle import arena
+from tests.internals import arena
 from zerocopy_pickle.cache import client, filebacked, filing, keys, loader, protocol
 from zerocopy_pickle.cache.keys import Request, Uncacheable, _fingerprint, describe
 from zerocopy_pickle.cache.messages import MAX_FILE_CHECKS, BufferRow, FileCheck, Get
@@ -315,7 +315,7 @@ def test_server_side_imports_no_torch() -> None:
     proc = run_python(
         """
         import sys
-        import zerocopy_pickle.cache.server, zerocopy_pickle.cli, zerocopy_pickle.cache
+        import zerocopy_pickle.cache.server, zerocopy_pickle._cli, zerocopy_pickle.cache
         print(sorted(m for m in ("torch", "numpy", "diffusers", "transformers") if m in sys.modules))
         """
     )
@@ -335,7 +335,7 @@ def test_the_loader_and_the_cache_command_import_nothing_above_them() -> None:
             runpy.run_module("zerocopy_pickle.cache", run_name="__main__")
         except SystemExit:
             pass
-        print(sorted(m for m in ("zerocopy_pickle.cli", "zerocopy_pickle.snapshot") if m in sys.modules))
+        print(sorted(m for m in ("zerocopy_pickle._cli", "zerocopy_pickle._core.snapshot") if m in sys.modules))
         """
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]

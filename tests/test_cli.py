@@ -17,10 +17,9 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import cli, native
+from tests.internals import cli, format_global, main
+from zerocopy_pickle import native
 from zerocopy_pickle.cache.protocol import DIR_ENV
-from zerocopy_pickle.cli import main
-from zerocopy_pickle.restricted import format_global
 
 from .cache_helpers import private_dir, running_server
 from .conftest import REPO, run_python
@@ -424,7 +423,7 @@ def _load_allow_list(data: bytes, allow: list[str]) -> object:
     """The allow-list a restricted load of the snapshot ``data`` builds (the unpickler's own)."""
     import io
 
-    from zerocopy_pickle.pickler import ZeroCopyUnpickler
+    from zerocopy_pickle import ZeroCopyUnpickler
 
     header = zp.read_header(data)
     stream = data[header.stream_offset : header.stream_offset + header.stream_nbytes]
@@ -441,7 +440,7 @@ def test_scan_labels_agree_with_the_load_over_the_hostile_corpus(
     (its error's refused, needed and blocked) or the blocklist names is never labelled ``allowed``."""
     import types as _types
 
-    from zerocopy_pickle.restricted import is_blocked
+    from tests.internals import is_blocked
 
     from .hostile_streams import as_snapshot
     from .test_hostile import ALIAS_MODULE, PAYLOADS
@@ -528,7 +527,7 @@ RAW_CONTROLS = ("\x1b", "\x9b", "\x07", "\x08", "\r", "\u202e", "\u202c", "\u206
     ],
 )
 def test_printable_escapes_every_character_that_drives_a_terminal(text: str, shown: str) -> None:
-    from zerocopy_pickle.console import printable
+    from tests.internals import printable
 
     assert printable(text) == shown
     assert printable(text).isprintable()
@@ -538,7 +537,7 @@ def test_printable_escapes_every_character_that_drives_a_terminal(text: str, sho
 def hostile_snapshot(tmp_path: Path, plugins: list[tuple[str, str]] = ()) -> Path:  # type: ignore[assignment]
     """A snapshot whose global names (GLOBAL: no newline; STACK_GLOBAL: anything, a forged line included) and
     header producer hold terminal control sequences."""
-    from zerocopy_pickle import format as fmt
+    from tests.internals import format as fmt
 
     from .hostile_streams import SG, G, program
 
@@ -610,7 +609,7 @@ def test_an_error_quoting_the_file_is_escaped(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_log_records_are_escaped(capsys: pytest.CaptureFixture[str]) -> None:
-    from zerocopy_pickle.console import configure_logging
+    from tests.internals import configure_logging
 
     configure_logging(0)
     logging.getLogger("zerocopy_pickle.test").warning("a name from a file: %s\nsecond line", HOSTILE)
@@ -662,7 +661,7 @@ def test_native_status_line_matches_the_library(capsys: pytest.CaptureFixture[st
 )
 def test_native_says_why(env: dict[str, str], expected: str, tmp_path: Path) -> None:
     env = {k: v.replace("{empty}", str(tmp_path / "cache")) for k, v in env.items()}
-    proc = run_python("import sys; from zerocopy_pickle.cli import main; sys.exit(main(sys.argv[1:]))", "native",
+    proc = run_python("import sys; from zerocopy_pickle._cli import main; sys.exit(main(sys.argv[1:]))", "native",
                       env=env, check=False)  # fmt: skip
     if expected.startswith("zerocopy-pickle"):
         assert proc.returncode == 1 and proc.stdout == ""
@@ -677,7 +676,7 @@ def test_native_reports_a_broken_cached_build(tmp_path: Path) -> None:
     code = """
     import sys
     from zerocopy_pickle import native
-    from zerocopy_pickle.cli import main
+    from zerocopy_pickle._cli import main
     native.extension_path().parent.mkdir(parents=True)
     native.extension_path().write_bytes(b"not a shared object")
     sys.exit(main(["native"]))
@@ -724,7 +723,7 @@ def test_native_build_compiles_and_reports_the_cached_path(tmp_path: Path) -> No
     import sys
     from pathlib import Path
     from zerocopy_pickle import native
-    from zerocopy_pickle.cli import main
+    from zerocopy_pickle._cli import main
     native._SOURCE = Path(sys.argv[1])
     code = main(["native", "--build"])
     print(native.extension_path())
@@ -828,7 +827,7 @@ def test_the_parser_and_the_console_import_no_torch() -> None:
     proc = run_python(
         """
         import sys
-        from zerocopy_pickle.cli import main
+        from zerocopy_pickle._cli import main
         try:
             main(["-v", "serve", "--help"])
         except SystemExit:
@@ -858,8 +857,8 @@ def test_verbosity_options_set_the_library_loggers_level(
     assert main(argv) == 0
     logger = logging.getLogger("zerocopy_pickle")
     assert logger.level == level
-    logging.getLogger("zerocopy_pickle.snapshot").info("an info record")
-    logging.getLogger("zerocopy_pickle.snapshot").error("an error record")
+    logging.getLogger("zerocopy_pickle._core.snapshot").info("an info record")
+    logging.getLogger("zerocopy_pickle._core.snapshot").error("an error record")
     err = capsys.readouterr().err
     assert ("an info record" in err) == (level <= logging.INFO)
     assert "an error record" in err

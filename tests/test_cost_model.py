@@ -11,7 +11,8 @@ import functools
 import pytest
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import native, restricted, semantics, streamcheck
+from tests.internals import restricted, semantics, streamcheck
+from zerocopy_pickle import native
 
 from .hostile_streams import as_snapshot
 

@@ -1,4 +1,4 @@
-"""The restricted load's cost model (zerocopy_pickle/semantics.py, Note [The cost model]) against what a load
+"""The restricted load's cost model (zerocopy_pickle/_trust/semantics.py, Note [The cost model]) against what a load
 really does, measured by operation counters, never by the clock.
 
 * Hashing. A *replay* of the stream by pickle's pure-Python unpickler (``pickle._Unpickler``, the reference
@@ -10,7 +10,7 @@ really does, measured by operation counters, never by the clock.
   most ``max(HASH_FLOOR, HASH_PER_BYTE * len(stream))`` elements; a refusal is a SnapshotError or a
   RestrictedLoadError, and a refusal for the hashing budget of a stream of tuples only is one whose replay
   exceeds it (the model charges tuples exactly).
-* The analysis's own work. Lines of zerocopy_pickle/semantics.py executed while :func:`semantics.analyze`
+* The analysis's own work. Lines of zerocopy_pickle/_trust/semantics.py executed while :func:`semantics.analyze`
   runs (``sys.settrace``), per byte of stream, stay under one constant for every generated stream, from a few
   bytes to hundreds of kilobytes: each opcode costs a bounded number of steps, and each item is visited a
   bounded number of times (when put into a container, and when hashed), however it is referenced.
@@ -41,7 +41,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import semantics, streamcheck
+from tests.internals import semantics, streamcheck
 from zerocopy_pickle.errors import RestrictedLoadError, SnapshotError
 
 from .conftest import REPO
@@ -267,7 +267,7 @@ SEMANTICS_FILE = semantics.__file__
 
 
 def lines_executed(function: Callable[[], object]) -> int:
-    """Lines of zerocopy_pickle/semantics.py that ``function()`` executes (an operation counter)."""
+    """Lines of zerocopy_pickle/_trust/semantics.py that ``function()`` executes (an operation counter)."""
     count = 0
 
     def local(frame: FrameType, event: str, arg: object) -> Any:
@@ -481,7 +481,7 @@ def test_a_5_mb_dotted_module_name_is_refused_and_scanned(tmp_path: Path) -> Non
     assert_exited(proc)
     assert "REFUSED SnapshotError" in proc.stdout and "names a global whose module name is" in proc.stdout
     # zerocopy-pickle scan reports it (an error, exit 1), and prints no 5 MB name.
-    script = "import sys; from zerocopy_pickle.cli import main; sys.exit(main())"
+    script = "import sys; from zerocopy_pickle._cli import main; sys.exit(main())"
     proc = run_child(script, "scan", str(path))
     assert_exited(proc, 1)
     assert "names a global whose module name is" in proc.stderr, proc.stderr[-2000:]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import pickler
+from tests.internals import pickler
 
 from .conftest import header_of, region_of
 
@@ -139,7 +139,7 @@ def test_cpu_locations_are_recorded() -> None:
 
 def rows_snapshot(stream: bytes, buffers: list[bytes], location: str, dtype: str | None) -> bytes:
     """A snapshot whose buffer rows all say ``location`` and ``dtype`` (the stream says what it likes)."""
-    from zerocopy_pickle import format as fmt
+    from tests.internals import format as fmt
 
     layout = fmt.encode(len(stream), [fmt.BufferSpec(len(b), location=location, dtype=dtype) for b in buffers])
     out = bytearray(layout.prefix + stream)

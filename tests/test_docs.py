@@ -174,9 +174,9 @@ def test_missing_repository_file_is_reported(caplog: pytest.LogCaptureFixture) -
 # The public modules whose docstrings carry runnable (doctest) examples; the others show code that needs a
 # server, a Ray cluster or a compiler, as fenced blocks.
 DOCTEST_MODULES = [
-    "zerocopy_pickle.snapshot",
-    "zerocopy_pickle.transfer",
-    "zerocopy_pickle.pickler",
+    "zerocopy_pickle._core.snapshot",
+    "zerocopy_pickle._devices.transfer",
+    "zerocopy_pickle._core.pickler",
     "zerocopy_pickle.multiprocessing",
     "zerocopy_pickle.native",
 ]
@@ -213,6 +213,7 @@ def test_design_md_layer_table_is_the_import_contract_and_places_every_module() 
     )
     declared = [sorted(name.strip() for name in layer.split("|")) for layer in contract["layers"]]
     section = (DOCS / "design.md").read_text().split("## Modules and layers", 1)[1].split("\n## ", 1)[0]
+    section = section.split("### The wings", 1)[0]  # the root's table; each wing's is checked below
     table = {}
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -227,6 +228,39 @@ def test_design_md_layer_table_is_the_import_contract_and_places_every_module() 
         + [p.name for p in package.iterdir() if (p / "__init__.py").is_file()]
     )
     assert sorted(placed) == present, "every module of zerocopy_pickle/ in one layer of the contract"
+
+
+def _layer_table(text: str) -> dict[int, list[str]]:
+    table = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].isdigit():
+            table[int(cells[0])] = sorted(name.removesuffix(".py") for name in _backticked(cells[1]))
+    return table
+
+
+def test_design_md_tables_each_wing_as_its_contract_does() -> None:
+    """Each private package (a wing) has a layers contract of its own, and docs/design.md a table after the line
+    that starts with its name; the two agree, and every module of the wing is in one layer."""
+    import tomllib
+
+    contracts = {
+        c["containers"][0].removeprefix("zerocopy_pickle."): c["layers"]
+        for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+        if c["type"] == "layers" and c["containers"][0].startswith("zerocopy_pickle._")
+    }
+    wings = sorted(p.name for p in (ROOT / "zerocopy_pickle").glob("_*/__init__.py") for p in [p.parent])
+    assert sorted(contracts) == [w for w in wings if w != "_csrc"], "a layers contract for every wing"
+    design = (DOCS / "design.md").read_text()
+    for wing, layers in contracts.items():
+        after = design.split(f"\n`{wing}/`, ", 1)
+        assert len(after) == 2, f"docs/design.md has no table for {wing}/"
+        table_text = after[1].split("\n\n", 2)[1]
+        table = _layer_table(table_text)
+        declared = [sorted(name.strip() for name in layer.split("|")) for layer in layers]
+        assert [table[n] for n in sorted(table, reverse=True)] == declared, wing
+        present = sorted(p.stem for p in (ROOT / "zerocopy_pickle" / wing).glob("*.py") if p.stem != "__init__")
+        assert sorted(name for layer in declared for name in layer) == present, wing
 
 
 def test_contributing_md_names_every_test_file_once() -> None:

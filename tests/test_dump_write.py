@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import arena, integrity
+from tests.internals import arena, integrity
 
 from .conftest import left_behind, settled
 

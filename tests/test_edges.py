@@ -17,8 +17,7 @@ import torch
 
 import zerocopy_pickle as zp
 from tests.conftest import REPO
-from zerocopy_pickle import sources
-from zerocopy_pickle.cli import main
+from tests.internals import main, sources
 from zerocopy_pickle.errors import SnapshotError
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.:DeprecationWarning")  # the fixture's TorchScript archive
@@ -159,7 +158,7 @@ def test_convert_of_torchscript_in_a_subprocess_has_no_warning_or_traceback(
 ) -> None:
     def convert(*extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "zerocopy_pickle.cli", "convert", str(files["script"]), *extra],
+            [sys.executable, "-m", "zerocopy_pickle._cli", "convert", str(files["script"]), *extra],
             capture_output=True, text=True, cwd=REPO, check=False, timeout=120,
         )  # fmt: skip
 

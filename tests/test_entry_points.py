@@ -62,7 +62,7 @@ DUMP = """
 import sys, torch, zerocopy_pickle as zp
 from zcp_example_types import sample
 zp.dump(sample(), sys.argv[1])
-print(sorted(zp.registry.default_registry().plugins()))
+print(sorted(zp.default_registry().plugins()))
 """
 
 LOAD = """

@@ -433,7 +433,7 @@ def test_wrapper_subclasses_load_restricted_when_allowed() -> None:
 
 
 def test_wrapper_subclass_rebuild_refuses_what_is_not_a_wrapper_class() -> None:
-    from zerocopy_pickle.safe_set import safe_rebuild_wrapper_subclass
+    from tests.internals import safe_rebuild_wrapper_subclass
 
     args = (torch.float32, (2,), (1,), 0, torch.strided, torch.device("cpu"), False)
     assert type(safe_rebuild_wrapper_subclass(WrapperTensor, *args)) is WrapperTensor
@@ -467,8 +467,8 @@ def test_memory_formats_load_restricted(name: str) -> None:
 
 
 def test_memory_format_rebuild_refuses_other_names() -> None:
+    from tests.internals import safe_rebuild_memory_format
     from zerocopy_pickle.rebuild import rebuild_memory_format
-    from zerocopy_pickle.safe_set import safe_rebuild_memory_format
 
     for rebuild in (rebuild_memory_format, safe_rebuild_memory_format):
         assert rebuild("channels_last") is torch.channels_last

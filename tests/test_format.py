@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import format as fmt
+from tests.internals import format as fmt
 
 
 def snapshot_bytes() -> bytes:

@@ -25,9 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import format as fmt
-from zerocopy_pickle import semantics
-from zerocopy_pickle.streamcheck import check_stream, walk_stream
+from tests.internals import check_stream, semantics, walk_stream
+from tests.internals import format as fmt
 
 from .test_hostile import as_snapshot
 

@@ -28,9 +28,8 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import format as fmt
-from zerocopy_pickle.restricted import is_blocked, safe_globals
-from zerocopy_pickle.streamcheck import DYNAMIC, MAX_MARKS, MAX_STACK
+from tests.internals import DYNAMIC, MAX_MARKS, MAX_STACK, is_blocked, safe_globals
+from tests.internals import format as fmt
 
 
 def as_snapshot(stream: bytes) -> bytes:
@@ -262,7 +261,7 @@ def test_blocklist_wins_over_allow_for_a_plain_name(sentinel: Path) -> None:
 def test_no_safe_global_is_blocked() -> None:
     """Every safe global is outside the blocklist, but for the torch._C._nn builtins the safe set admits by name
     as values (torch._C is blocked as a whole): those must be exactly the listed ones, and never callable."""
-    from zerocopy_pickle.safeglobals import NN_BUILTIN_VALUES, safe_table
+    from tests.internals import NN_BUILTIN_VALUES, safe_table
 
     for pair, obj in safe_globals().items():
         if pair[0] == "torch._C._nn":

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
+from tests.internals import safe_table
 from zerocopy_pickle import validate
 from zerocopy_pickle.plugin import default_registry
 from zerocopy_pickle.rebuild import Placement, StorageBuilder
-from zerocopy_pickle.safe_set import safe_table
 from zerocopy_pickle.testing import check_hostile_arguments, hostile_values
 
 from .hostile_streams import as_snapshot

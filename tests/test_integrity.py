@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import format as fmt
-from zerocopy_pickle import integrity
+from tests.internals import format as fmt
+from tests.internals import integrity
 
 KEY = b"a secret shared by the writer and the reader"
 

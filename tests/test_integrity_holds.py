@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import arena, integrity
-from zerocopy_pickle import format as fmt
+from tests.internals import arena, integrity
+from tests.internals import format as fmt
 
 from .conftest import region_of, run_python
 from .test_cli import run_cli
@@ -166,7 +166,7 @@ BOUNDED_CHILD = """
 import io, os, resource, struct, sys, threading
 import torch
 import zerocopy_pickle as zp
-from zerocopy_pickle import format as fmt
+from zerocopy_pickle._storage import format as fmt
 
 def vm_size():
     with open("/proc/self/status") as f:
@@ -470,7 +470,7 @@ def test_inspect_reports_malformed_input_in_one_line(tmp_path: Path, content: by
         assert isinstance(content, bytes)
         path.write_bytes(content)
     proc = run_python(
-        "import sys; from zerocopy_pickle.cli import main; sys.exit(main(sys.argv[1:]))",
+        "import sys; from zerocopy_pickle._cli import main; sys.exit(main(sys.argv[1:]))",
         "inspect",
         str(path),
         timeout=120,

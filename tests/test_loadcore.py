@@ -1,4 +1,4 @@
-"""The load core (``zerocopy_pickle.loadcore``): the checks, plugin preparation, argument references and error
+"""The load core (``zerocopy_pickle._core.loadcore``): the checks, plugin preparation, argument references and error
 conversion that snapshot loads and model-cache entries share."""
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import loadcore
+from tests.internals import loadcore
+from zerocopy_pickle import Registry, ZeroCopyPickler, default_registry
 from zerocopy_pickle.cache import entries
-from zerocopy_pickle.pickler import ZeroCopyPickler
-from zerocopy_pickle.registry import Registry, default_registry
 
 
 @pytest.fixture
@@ -82,7 +81,7 @@ def test_argument_references_resolve_only_in_a_trusted_load() -> None:
     with pytest.raises(zp.ArgumentError, match="trusted"):
         loadcore.load_stream(result.stream, result.views, trusted=False, arguments=[mine])
     # A restricted load of a stream naming the reference refuses it like any other global it does not allow.
-    with pytest.raises(zp.RestrictedLoadError, match="zerocopy_pickle.loadcore:argument"):
+    with pytest.raises(zp.RestrictedLoadError, match="zerocopy_pickle._core.loadcore:argument"):
         loadcore.load_stream(result.stream, result.views, trusted=False)
     with pytest.raises(zp.ZeroCopyPickleError, match="only be resolved"):
         loadcore.argument(0)

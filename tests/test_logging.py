@@ -1,5 +1,5 @@
 """Logging: the library's records (names, levels, what they say), that the library configures nothing and prints
-nothing, and the console helpers the command line and the demo use (zerocopy_pickle.console)."""
+nothing, and the console helpers the command line and the demo use (zerocopy_pickle._console)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import console
+from tests.internals import console
 from zerocopy_pickle.cache.protocol import DIR_ENV
 
 
@@ -58,7 +58,7 @@ def test_dump_and_load_log_at_info_under_the_package_logger(tmp_path: Path, reco
     zp.dump({"w": torch.ones(4), "b": torch.zeros(2)}, path)
     zp.load(path)
     zp.load(path, trusted=True, verify=True)
-    dumped, *loaded = _ours(records, "zerocopy_pickle.snapshot")
+    dumped, *loaded = _ours(records, "zerocopy_pickle._core.snapshot")
     assert dumped.levelno == logging.INFO
     message = dumped.getMessage()
     assert (
@@ -77,7 +77,7 @@ def test_loads_freeze_and_snapshot_load_log_at_debug(records: pytest.LogCaptureF
     zp.loads(data)
     with zp.freeze(torch.ones(2)) as snap:
         snap.load()
-    messages = [(r.levelno, r.getMessage().split(" ", 1)[0]) for r in _ours(records, "zerocopy_pickle.snapshot")]
+    messages = [(r.levelno, r.getMessage().split(" ", 1)[0]) for r in _ours(records, "zerocopy_pickle._core.snapshot")]
     assert messages == [(logging.DEBUG, "loaded"), (logging.DEBUG, "froze"), (logging.DEBUG, "loaded")]
 
 
@@ -93,12 +93,13 @@ def test_a_dump_to_a_file_object_names_it(tmp_path: Path, records: pytest.LogCap
         zp.dump(torch.ones(1), f)
     buffer = io.BytesIO()
     zp.dump(torch.ones(1), buffer)
-    names = [r.getMessage().split(":", 1)[0] for r in _ours(records, "zerocopy_pickle.snapshot")]
+    names = [r.getMessage().split(":", 1)[0] for r in _ours(records, "zerocopy_pickle._core.snapshot")]
     assert names == [f"dumped {str(tmp_path / 'f.zcp')!r}", "dumped a BytesIO"]
 
 
 def test_library_loggers_are_named_after_their_modules() -> None:
-    from zerocopy_pickle import native, remote, snapshot
+    from tests.internals import remote, snapshot
+    from zerocopy_pickle import native
     from zerocopy_pickle.cache import client, server, store
 
     for module in (snapshot, native, remote, client, server, store):
@@ -132,7 +133,7 @@ _FRESH = textwrap.dedent(
         with zp.freeze(torch.nn.Linear(2, 2)) as snap:
             snap.load()
         logging.getLogger("zerocopy_pickle.cache.store").warning("a warning record")
-    report["console_imported"] = "zerocopy_pickle.console" in sys.modules
+    report["console_imported"] = "zerocopy_pickle._console" in sys.modules
     print(json.dumps(report))
     """
 )
@@ -168,7 +169,7 @@ def test_dump_load_scan_freeze_write_nothing(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# zerocopy_pickle.console: configure_logging
+# zerocopy_pickle._console: configure_logging
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -195,7 +196,7 @@ def test_configure_logging_is_idempotent_and_leaves_the_root_logger_alone(clean_
 def test_configured_records_go_to_the_current_stderr(clean_console: None, capsys: pytest.CaptureFixture[str]) -> None:
     console.configure_logging(1)
     logging.getLogger("zerocopy_pickle.cache.server").info("cache serving on %s (pid %d)", "/x/server.sock", 7)
-    logging.getLogger("zerocopy_pickle.snapshot").debug("not at verbosity 1")
+    logging.getLogger("zerocopy_pickle._core.snapshot").debug("not at verbosity 1")
     logging.getLogger("other.library").warning("not ours")
     out, err = capsys.readouterr()
     assert out == ""
@@ -224,7 +225,7 @@ def test_a_server_started_by_python_m_logs_its_start_and_stop(tmp_path: Path) ->
 
 
 # ---------------------------------------------------------------------------------------------------------
-# zerocopy_pickle.console: quiet_third_party
+# zerocopy_pickle._console: quiet_third_party
 # ---------------------------------------------------------------------------------------------------------
 
 _BNB = "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already `pip install kernels` and the kernels >= 0.11.1"  # noqa: E501 - bitsandbytes' text, verbatim
@@ -270,7 +271,8 @@ def test_quiet_third_party_leaves_warnings_alone(clean_console: None) -> None:
 _REAL = textwrap.dedent(
     """
     import importlib, inspect, logging, sys
-    from zerocopy_pickle.console import NOISE, quiet_third_party
+    from zerocopy_pickle._console import NOISE
+    from zerocopy_pickle._console import quiet_third_party
     if sys.argv[1] == "quiet":
         quiet_third_party()
     import bitsandbytes.backends.cpu.ops as bnb_ops

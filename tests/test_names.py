@@ -1,4 +1,4 @@
-"""``GlobalName``, the one parser, formatter and resolver of ``"module:qualname"`` (zerocopy_pickle/names.py), and
+"""``GlobalName``, the one parser, formatter and resolver of ``"module:qualname"`` (zerocopy_pickle/_names.py), and
 the callers that keep their own rules on top of it."""
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ import sys
 import pytest
 
 import zerocopy_pickle as zp
+from tests.internals import GlobalName, resolve_name
 from zerocopy_pickle.cache.points import check_patch_point, split_point
-from zerocopy_pickle.discovery import resolve_name
-from zerocopy_pickle.names import GlobalName
 
 
 @pytest.mark.parametrize(
@@ -43,7 +42,7 @@ def test_dotted_is_identifiers_on_both_sides() -> None:
 
 def test_of_names_what_an_object_calls_itself() -> None:
     assert GlobalName.of(collections.OrderedDict) == GlobalName("collections", "OrderedDict")
-    assert GlobalName.of(zp.load) == GlobalName("zerocopy_pickle.snapshot", "load")
+    assert GlobalName.of(zp.load) == GlobalName("zerocopy_pickle._core.snapshot", "load")
     assert GlobalName.of(object()) is None  # an instance has no __qualname__
 
 

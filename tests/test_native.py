@@ -501,7 +501,7 @@ def test_cache_directory_follows_the_environment(monkeypatch: pytest.MonkeyPatch
 def test_the_library_files_earlier_variable_is_still_read_and_the_new_one_wins(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from zerocopy_pickle import remote
+    from tests.internals import remote
 
     assert native.CACHE_ENV == "ZEROCOPY_PICKLE_HOME"
     monkeypatch.delenv("ZEROCOPY_PICKLE_HOME", raising=False)

@@ -1,5 +1,5 @@
 """The native stream analysis (csrc/, ``analyze_stream``) against its Python reference
-(:func:`zerocopy_pickle.streamcheck.check_stream` then :func:`zerocopy_pickle.semantics.analyze`).
+(:func:`zerocopy_pickle._trust.streamcheck.check_stream` then :func:`zerocopy_pickle._trust.semantics.analyze`).
 
 The native pass must accept exactly the streams the Python checks accept, with the same :class:`StreamUses`,
 and reject the others with a code that names the exception Python raises. Like tests/test_native.py, these
@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import native, semantics, streamcheck
+from tests.internals import semantics, streamcheck
+from zerocopy_pickle import native
 from zerocopy_pickle.errors import RestrictedLoadError, SnapshotError
 
 from .conftest import TiedNet

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import native, safe_set, safeglobals, semantics, validate
+from tests.internals import safe_set, semantics
+from zerocopy_pickle import native, safeglobals, validate
 from zerocopy_pickle.errors import RestrictedLoadError, UnsafeArgumentError
 
 from .hostile_streams import NEXT_BUFFER, G, Op, as_snapshot, call, newobj, program

@@ -260,8 +260,8 @@ def test_offloaded_takes_copy_or_refuse(bad: object) -> None:
 def test_a_cache_entry_copies_disk_offloaded_weights_too(tmp_path: Path) -> None:
     """The model cache pickles its entries with its own pickler: it applies the same copy, so an entry of a
     disk-offloaded model does not read the folder either."""
+    from tests.internals import load_stream
     from zerocopy_pickle.cache.entries import pickle_with_refs
-    from zerocopy_pickle.loadcore import load_stream
 
     m = model()
     folder = tmp_path / "offload"

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import arena, integrity
+from tests.internals import arena, integrity
 
 from .conftest import left_behind, settled
 

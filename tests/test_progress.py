@@ -22,7 +22,7 @@ import torch
 import tqdm
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import arena, progress, remote
+from tests.internals import arena, progress, remote
 from zerocopy_pickle.cache import entries
 from zerocopy_pickle.errors import ArgumentError
 
@@ -91,7 +91,7 @@ def test_dump_to_a_path_shows_a_bar_that_counts_every_byte_written(
 def test_the_parallel_hashing_path_reports_too(
     tmp_path: Path, terminal: FakeTerminal, bars: list[tuple[str, int, int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from zerocopy_pickle import integrity
+    from tests.internals import integrity
 
     monkeypatch.setattr(integrity, "PARALLEL_HASH_MIN_NBYTES", 1 << 20)
     monkeypatch.setattr(integrity, "_usable_cpus", lambda: 2)

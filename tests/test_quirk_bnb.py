@@ -608,7 +608,7 @@ def test_declares_only_validating_functions() -> None:
     """No class (a constructor allocates what it is told, NEWOBJ/BUILD would set anything) among the safe globals."""
     import types
 
-    registry = zp.registry.default_registry()
+    registry = zp.default_registry()
     pairs = registry.safe_globals(plugins=["bitsandbytes"])
     assert pairs and all(module == "zerocopy_pickle_quirks.bnb" for module, _ in pairs)
     for module, name in pairs:
@@ -840,7 +840,7 @@ def test_layer_state_keeps_its_own_parameter_table() -> None:
 
 def test_parameter_state_never_replaces_what_the_rebuild_checked() -> None:
     """set_param_state refuses quant_state, CB, SCB, the Params4bit attributes and tensor hook attributes
-    (zerocopy_pickle.safeglobals' _HOOK_ATTRIBUTES: a tensor's own attributes, refused as shadowing the class)."""
+    (zerocopy_pickle._trust.safe_set's _HOOK_ATTRIBUTES: a tensor's own attributes, refused as shadowing the class)."""
     from zerocopy_pickle_quirks import bnb
 
     four = linear4bit("nf4", False).weight

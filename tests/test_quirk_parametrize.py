@@ -729,7 +729,7 @@ def test_safe_globals_charge_the_load_budget() -> None:
 def test_declares_only_validating_functions() -> None:
     import types
 
-    registry = zp.registry.default_registry()
+    registry = zp.default_registry()
     pairs = registry.safe_globals(plugins=["parametrize"])
     assert set(pairs) == {("zerocopy_pickle_quirks.parametrize", fn.__name__) for fn in quirk.SAFE_GLOBALS}
     for module, name in pairs:

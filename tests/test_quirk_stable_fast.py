@@ -288,7 +288,7 @@ def test_class_from_bytes_refuses_anything_else(payload: bytes) -> None:
 
 
 def test_plugin_declares_no_safe_globals_and_claims_sfast() -> None:
-    info = zp.registry.default_registry().plugins()["stable-fast"]
+    info = zp.default_registry().plugins()["stable-fast"]
     assert info.state == "loaded" and info.safe_globals == () and info.modules == ("sfast",)
     assert info.load_hook is stable_fast.load_hook
 

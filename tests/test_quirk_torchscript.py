@@ -132,7 +132,7 @@ def assert_same_script(expected: Any, actual: Any) -> None:
 def _load_trusted_in_fresh_interpreter(path: Path, factory: str) -> None:
     code = f"""
         import zerocopy_pickle as zp
-        from zerocopy_pickle.discovery import resolve_name as _resolve
+        from zerocopy_pickle._registry.discovery import resolve_name as _resolve
         from tests.test_quirk_torchscript import assert_same_script
         loaded = zp.load({str(path)!r}, trusted=True)
         assert_same_script(_resolve({factory!r})(), loaded)

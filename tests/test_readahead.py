@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
+from tests.internals import readahead
 from tests.test_transfer import evict
 from tests.test_transfer_cold import delta, stats
-from zerocopy_pickle import readahead
 from zerocopy_pickle.errors import ArgumentError, RestrictedLoadError
 
 from .conftest import left_behind, settled

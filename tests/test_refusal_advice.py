@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import zerocopy_pickle as zp
-from zerocopy_pickle.restricted import spell_allow
+from tests.internals import spell_allow
 
 from . import refusal_models as rm
 from .test_load_leaves_no_trace import CASES as HOSTILE

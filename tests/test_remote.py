@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import remote
+from tests.internals import remote
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle.restricted import AllowList, safe_globals, scan_stream
+from tests.internals import AllowList, safe_globals, scan_stream
 
 from . import refusal_models as rm
 from .conftest import TIED_NET_ALLOW, TiedNet

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import safe_set, validate
+from tests.internals import safe_set
+from zerocopy_pickle import validate
 
 from .conftest import header_of
 from .hostile_streams import G, as_snapshot, call, memo_get, memo_put, program

@@ -1,4 +1,5 @@
-"""zerocopy_pickle.sources: every kind of source opens to the same snapshot, and says whether its bytes are stable."""
+"""zerocopy_pickle._storage.sources: every kind of source opens to the same snapshot, and says whether its bytes
+are stable."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import format, sources
+from tests.internals import format, sources
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,8 @@ import torch
 from torch import nn
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import device as devices
-from zerocopy_pickle import readahead, transfer
-from zerocopy_pickle.transfer import Plan, plan, register_ranges
+from tests.internals import Plan, plan, readahead, register_ranges, transfer
+from tests.internals import device as devices
 
 from .conftest import REPO, header_of
 
@@ -471,7 +470,7 @@ def test_a_dict_map_location_with_two_devices_makes_one_allocation_each(fake_cud
 def test_storages_saved_on_two_devices_go_to_their_own_allocations(
     fake_cuda: list[FakeBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from zerocopy_pickle import pickler
+    from tests.internals import pickler
 
     real = pickler._reduce_untyped_storage
     counter = iter(range(1000))
@@ -618,7 +617,7 @@ def test_to_device_to_the_cpu_leaves_cpu_tensors_alone() -> None:
 
 def tensor_snapshot(stream: bytes, buffers: list[bytes]) -> bytes:
     """Like hostile_streams.as_snapshot, but every buffer row claims a dtype, so a load moves them all first."""
-    from zerocopy_pickle import format as fmt
+    from tests.internals import format as fmt
 
     layout = fmt.encode(len(stream), [fmt.BufferSpec(len(b), dtype="float32") for b in buffers])
     out = bytearray(layout.prefix + stream)

@@ -27,8 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import loadcore, readahead, transfer
-from zerocopy_pickle.transfer import DIRECT_ALIGNMENT, SourceFile, plan, plan_reads
+from tests.internals import DIRECT_ALIGNMENT, SourceFile, loadcore, plan, plan_reads, readahead, transfer
 
 from .conftest import left_behind, settled
 from .test_transfer import FakeBackend, Layout, cold_folder, direct_io_works, evict, raw

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import transfer
+from tests.internals import transfer
 
 from .test_transfer import Layout, cold_folder, direct_io_works, evict, raw
 

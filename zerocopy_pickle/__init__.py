@@ -28,6 +28,10 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ._registry.discovery import PluginWarning
+from ._registry.reducer_table import Reducer
+from ._registry.registrar import Registrar
+from ._registry.registry import Registry, default_registry, reducers, register_reducer, unregister_reducer
 from ._version import __version__
 from .errors import (
     ArgumentError,
@@ -43,22 +47,10 @@ from .errors import (
     UnsafeArgumentError,
     ZeroCopyPickleError,
 )
-from .registry import (
-    PluginWarning,
-    Reducer,
-    Registrar,
-    Registry,
-    default_registry,
-    reducers,
-    register_reducer,
-    unregister_reducer,
-)
 
 if TYPE_CHECKING:
-    from .pickler import ZeroCopyPickler, ZeroCopyUnpickler
-    from .readahead import Prefetch
-    from .restricted import allow_function
-    from .snapshot import (
+    from ._core.pickler import ZeroCopyPickler, ZeroCopyUnpickler
+    from ._core.snapshot import (
         BACKENDS,
         Snapshot,
         dump,
@@ -71,7 +63,9 @@ if TYPE_CHECKING:
         read_header,
         scan,
     )
-    from .transfer import to_device
+    from ._devices.transfer import to_device
+    from ._storage.readahead import Prefetch
+    from ._trust.restricted import allow_function
 
 # The library logs under "zerocopy_pickle" (docs/usage.md, "Logging") and leaves where records go to the
 # application: this handler only stops Python's last-resort handler from printing them when none is configured.
@@ -80,13 +74,13 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 # Imported on first use (PEP 562), so that importing a submodule that needs no torch (the model cache's server,
 # zerocopy_pickle.errors) does not import torch either.
 _LAZY = {
-    "allow_function": "restricted",
-    "ZeroCopyPickler": "pickler",
-    "ZeroCopyUnpickler": "pickler",
+    "allow_function": "_trust.restricted",
+    "ZeroCopyPickler": "_core.pickler",
+    "ZeroCopyUnpickler": "_core.pickler",
     **dict.fromkeys(("BACKENDS", "Snapshot", "dump", "dumps", "freeze", "load", "loads", "prefetch", "prefetches",
-                     "read_header", "scan"), "snapshot"),
-    "Prefetch": "readahead",
-    "to_device": "transfer",
+                     "read_header", "scan"), "_core.snapshot"),
+    "Prefetch": "_storage.readahead",
+    "to_device": "_devices.transfer",
 }  # fmt: skip
 
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
+from ._core.snapshot import Snapshot, freeze, prefetch
 from .errors import ArgumentError, ZeroCopyPickleError
-from .snapshot import Snapshot, freeze, prefetch
 
 __all__ = ["Shared", "register", "registered", "unregister"]
 

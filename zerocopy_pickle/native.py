@@ -12,8 +12,8 @@ where it measurably pays (``benchmarks/native.py``):
   copies the archive four times (``BytesIO``, ``bytes``, ``std::string``, ``std::istringstream``) before
   importing it: for a 128 MiB archive, peak RSS +645 MiB against +133 MiB and 5 to 8 times the time.
 * :func:`stream_analyzer`: the bounds check and semantic analysis of a pickle stream that every restricted
-  load runs before unpickling (:func:`zerocopy_pickle.semantics.uses`), in one native pass. See
-  :func:`zerocopy_pickle.semantics.uses` for the figures.
+  load runs before unpickling (:func:`zerocopy_pickle._trust.semantics.uses`), in one native pass. See
+  :func:`zerocopy_pickle._trust.semantics.uses` for the figures.
 
 :func:`backend` says which implementation is active, :func:`status` also why (``zerocopy-pickle native`` prints
 it). ``ZEROCOPY_PICKLE_NATIVE`` chooses, read once when this
@@ -63,8 +63,8 @@ from typing import Any, cast
 
 import torch
 
+from ._home import HOME_ENV, home_dir
 from .errors import ArgumentError, ZeroCopyPickleError
-from .home import HOME_ENV, home_dir
 
 __all__ = [
     "CACHE_ENV",
@@ -174,9 +174,9 @@ def storage_builder() -> StorageFromBuffer | None:
 
 
 def stream_analyzer() -> StreamAnalyzer | None:
-    """The native twin of :func:`zerocopy_pickle.streamcheck.check_stream` followed by
-    :func:`zerocopy_pickle.semantics.analyze`, in one pass over the stream, or ``None`` when the Python backend
-    is active. :func:`zerocopy_pickle.semantics.uses` calls it and wraps its result.
+    """The native twin of :func:`zerocopy_pickle._trust.streamcheck.check_stream` followed by
+    :func:`zerocopy_pickle._trust.semantics.analyze`, in one pass over the stream, or ``None`` when the Python backend
+    is active. :func:`zerocopy_pickle._trust.semantics.uses` calls it and wraps its result.
 
     It returns ``(code, offset, payload)``. Code 0: the stream passes both checks, and ``payload`` is
     ``(globals, called, instantiated, mutated, next_buffers)``, with ``mutated`` a list of ``(pair, bits)``

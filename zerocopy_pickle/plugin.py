@@ -36,8 +36,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .declarations import PluginInfo, check_safe_global
-from .discovery import DISABLE_ENV, ENTRY_POINT_GROUP, PluginWarning
+from ._registry.declarations import PluginInfo, check_safe_global
+from ._registry.discovery import DISABLE_ENV, ENTRY_POINT_GROUP, PluginWarning
+from ._registry.reducer_table import ReduceFunction, Reducer, type_key
+from ._registry.registrar import Registrar
+from ._registry.registry import Registry, default_registry
 from .errors import (
     ArgumentError,
     DeviceError,
@@ -48,9 +51,6 @@ from .errors import (
     UnsafeArgumentError,
     ZeroCopyPickleError,
 )
-from .reducer_table import ReduceFunction, Reducer, type_key
-from .registrar import Registrar
-from .registry import Registry, default_registry
 
 if TYPE_CHECKING:
     from . import validate

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
+from ._core.snapshot import freeze, loads
+from ._devices.transfer import rebuildable
 from .errors import ZeroCopyPickleError
 from .rebuild import rebuild_tensor, storage_from_buffer
-from .snapshot import freeze, loads
-from .transfer import rebuildable
 
 __all__ = ["Frozen", "RayCopyWarning", "register", "registered", "unregister"]
 
@@ -178,14 +178,14 @@ class _Storage:
         self.storage = storage
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        from .pickler import storage_bytes
+        from ._core.pickler import storage_bytes
 
         data = storage_bytes(self.storage)
         return _rebuild_storage, (pickle.PickleBuffer(data) if protocol >= 5 else bytes(memoryview(data)),)
 
 
 def _plain(tensor: torch.Tensor) -> bool:
-    """A tensor :mod:`zerocopy_pickle.transfer` could rebuild over a storage, and a leaf (or one that needs no
+    """A tensor :mod:`zerocopy_pickle._devices.transfer` could rebuild over a storage, and a leaf (or one that needs no
     grad): anything else goes Ray's own way."""
     return rebuildable(tensor) and (tensor.is_leaf or not tensor.requires_grad)
 

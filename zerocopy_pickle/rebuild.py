@@ -17,21 +17,10 @@ from typing import Any
 
 import torch
 
-from . import device, native, validate
-from .device import MapLocation
+from . import native, validate
+from ._devices import device
+from ._devices.device import MapLocation
 from .errors import SnapshotError, UnsafeArgumentError
-
-__all__ = [
-    "Placement",
-    "StorageBuilder",
-    "empty_tensor",
-    "rebuild_memory_format",
-    "rebuild_meta_storage",
-    "rebuild_storage",
-    "rebuild_tensor",
-    "rebuild_typed_storage",
-    "storage_from_buffer",
-]
 
 # Note [Safe globals]
 # ~~~~~~~~~~~~~~~~~~~
@@ -212,7 +201,7 @@ class StorageBuilder:
     that buffer's header row and ``map_location`` say, and is built (and moved) once per buffer: every
     ``rebuild_storage`` of the same buffer returns the same storage. The stream's ``location`` argument must be a
     device string of at most 64 characters but is otherwise **ignored** for such buffers: the header row, which
-    :func:`zerocopy_pickle.device.check_targets` checked before anything was built and which the bulk transfer
+    :func:`zerocopy_pickle._devices.device.check_targets` checked before anything was built and which the bulk transfer
     used, decides (a stream that disagrees with its header is placed by the header, as the bulk transfer places
     it). Bytes in the stream (a storage copied in band: no row) go where the stream's location and
     ``map_location`` say, each call its own copy, charged to a restricted load's budget. A plain dict as

@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from . import snapshot
-from .discovery import resolve_name
+from ._core import snapshot
+from ._registry.discovery import resolve_name
+from ._registry.registry import default_registry
 from .errors import RestrictedLoadError, UnsafeArgumentError, ZeroCopyPickleError
-from .registry import default_registry
 
 __all__ = [
     "NativeTensorCase",
@@ -602,7 +602,7 @@ class ReducerConformance:
         code = imports + textwrap.dedent(
             f"""
             import zerocopy_pickle as zp
-            from zerocopy_pickle.discovery import resolve_name
+            from zerocopy_pickle._registry.discovery import resolve_name
             from zerocopy_pickle.testing import assert_same
             loaded = zp.load({str(path)!r}, trusted={self.trusted_only!r} or None)
             assert_same(resolve_name({self.factory!r})(), loaded)

@@ -1,6 +1,6 @@
 """Argument checks for the functions a restricted load may call.
 
-Every safe global (the built-in set in :mod:`zerocopy_pickle.safe_set`, and every plugin's) is an API exposed to
+Every safe global (the built-in set in :mod:`zerocopy_pickle._trust.safe_set`, and every plugin's) is an API exposed to
 whoever wrote the stream: its arguments are whatever a hostile stream chose. Such a function checks the *exact*
 type of each argument (``type(x) is int``, never ``isinstance``: a subclass can carry an ``__index__``, ``__iter__``
 or ``__eq__`` of the attacker's choosing) and every size, before it calls anything; it never calls an argument,

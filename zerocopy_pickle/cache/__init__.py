@@ -28,7 +28,8 @@ from .protocol import CacheError, runtime_dir, socket_path
 if TYPE_CHECKING:
     from .filing import CacheWarning
     from .keys import cached_key
-    from .patch import DEFAULT_PATCH_POINTS, patch_all, patched_points, unpatch_all
+    from .patch import patch_all, patched_points, unpatch_all
+    from .points import DEFAULT_PATCH_POINTS
     from .transport import Client, start_server_in_background
 
 # The client side imports torch; the server must not (it would cost it a second and hundreds of MiB): PEP 562.
@@ -36,7 +37,8 @@ _LAZY = {
     "CacheWarning": "filing",
     "cached_key": "keys",
     **dict.fromkeys(("Client", "start_server_in_background"), "transport"),
-    **dict.fromkeys(("DEFAULT_PATCH_POINTS", "patch_all", "patched_points", "unpatch_all"), "patch"),
+    "DEFAULT_PATCH_POINTS": "points",
+    **dict.fromkeys(("patch_all", "patched_points", "unpatch_all"), "patch"),
 }
 
 

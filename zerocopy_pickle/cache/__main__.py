@@ -7,7 +7,7 @@ from .isolation import clean_sys_path
 
 clean_sys_path()  # before importing anything more: nothing from the directory this was started in
 
-from ..console import configure_logging, quiet_third_party  # noqa: E402
+from .._console import configure_logging, quiet_third_party  # noqa: E402
 from .cli import main  # noqa: E402
 
 # This entry runs the servers that patch_all() and the demo start, with their output sent to a server.log: INFO

@@ -5,8 +5,8 @@ A miss knows the files its key was computed from (every file under each path an 
 Among them, :func:`likely_read` picks the weight files a ``from_pretrained`` reads: files with a checkpoint suffix,
 in each folder the safetensors files when there are any (transformers and diffusers prefer them to ``.bin``), and
 of those the requested ``variant`` (``model.fp16.safetensors``) or, without one, the files with no variant in their
-name. :func:`start` reads them through :mod:`zerocopy_pickle.readahead` (a few sequential streams per file, front
-first, one file after another in path order), and :func:`stop` cancels what is still reading once the call
+name. :func:`start` reads them through :mod:`zerocopy_pickle._storage.readahead` (a few sequential streams per
+file, front first, one file after another in path order), and :func:`stop` cancels what is still reading once the call
 returned: a file the guess got wrong costs at most the reads that ran while the call did.
 """
 
@@ -16,9 +16,7 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 
-from .. import readahead
-
-__all__ = ["SUFFIXES", "Reading", "likely_read", "start", "stop"]
+from .._storage import readahead
 
 SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 """What a checkpoint file's name ends with."""

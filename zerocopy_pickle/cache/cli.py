@@ -15,19 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..console import printable
+from .._console import printable
 from ..errors import ZeroCopyPickleError
-
-__all__ = [
-    "EXIT_ERROR",
-    "EXIT_INTERRUPTED",
-    "EXIT_NO_SERVER",
-    "NoServer",
-    "add_cache_commands",
-    "human",
-    "main",
-    "no_server",
-]
 
 EXIT_ERROR = 1
 """Exit status of a command that failed (the message is on stderr)."""

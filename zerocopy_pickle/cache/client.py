@@ -33,11 +33,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .. import arena, readahead
+from .._storage import arena, readahead
 from . import checkpoints, entries
 from .filing import (
     _UNCAPTURABLE,
-    CacheWarning,
     _filer,
     _fork_is_safe,
     _is_uncapturable,
@@ -46,12 +45,10 @@ from .filing import (
     _warn_once,
     _warn_uncapturable,
 )
-from .keys import Request, Uncacheable, cached_key, describe, register_result
+from .keys import Request, Uncacheable, describe, register_result
 from .messages import EntryReply, FileCheck, Miss
 from .protocol import CacheError, send
 from .transport import HIT_TIMEOUT, Client, _claim_spawn, _spawn_server, _timeout, start_server_in_background
-
-__all__ = ["CacheWarning", "Client", "cached_call", "cached_key", "register_result"]
 
 PREFAULT_ENV = "ZEROCOPY_PICKLE_CACHE_PREFAULT"
 INLINE_PREFAULT_BYTES = 16 << 20  # a hit this small populates its pages in the caller (see _Prefaulter)

@@ -3,12 +3,12 @@ into segments, and loading an entry as views into mapped segments.
 
 A call's arguments that are themselves cached objects (``vae=vae``), and wrappers or containers made of them
 (``MultiControlNetModel([a, b])``, lists, dicts), are pickled with each cached object replaced by a reference:
-``zerocopy_pickle.loadcore:argument(i)``, the i-th referenced entry. The same pickling gives the cache key
+``zerocopy_pickle._core.loadcore:argument(i)``, the i-th referenced entry. The same pickling gives the cache key
 (those references are stable: they name the referenced entries' keys) and the arguments' transport to the loader.
 The loader pickles the result the same way, so a loaded pipeline's ``vae`` *is* the caller's ``vae``.
 
 Every stream records the plugins its pickler used (as a snapshot header does), and every cache stream is loaded
-through the load core (:mod:`zerocopy_pickle.loadcore`), trusted, which runs those plugins' load hooks first.
+through the load core (:mod:`zerocopy_pickle._core.loadcore`), trusted, which runs those plugins' load hooks first.
 """
 
 from __future__ import annotations
@@ -25,27 +25,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import arena, progress
-from ..format import BufferSpec, PluginRef, padded_pieces, place_buffers
-from ..integrity import checksum
-from ..loadcore import argument, load_stream
-from ..pickler import ZeroCopyPickler
-from ..preparation import dump_reductions
+from .._core.loadcore import argument, load_stream
+from .._core.pickler import ZeroCopyPickler
+from .._registry.preparation import dump_reductions
+from .._storage import arena, progress
+from .._storage.format import BufferSpec, PluginRef, padded_pieces, place_buffers
+from .._storage.integrity import checksum
 from . import filebacked
 from .filebacked import FileRange
 from .messages import BufferRow, JobResult
 from .protocol import MAX_FDS
-
-__all__ = [
-    "Pickled",
-    "RefPickler",
-    "argument_slots",
-    "build_segment",
-    "capture",
-    "load_entry",
-    "pickle_with_refs",
-    "unpickle",
-]
 
 
 def argument_slots(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
@@ -66,7 +55,7 @@ def by_value() -> bool:
 
 class RefPickler(ZeroCopyPickler):
     """A :class:`ZeroCopyPickler` that pickles the objects in ``refs`` as references ``argument(i)``
-    (:func:`zerocopy_pickle.loadcore.argument`)."""
+    (:func:`zerocopy_pickle._core.loadcore.argument`)."""
 
     def __init__(self, file: Any, refs: Sequence[object], **kwargs: Any) -> None:
         super().__init__(file, **kwargs)
@@ -92,7 +81,7 @@ def unpickle(stream: bytes, buffers: Sequence[Any], refs: Sequence[object], plug
     """Unpickle a cache stream through the load core, trusted: it comes from this user's own server, which got it
     from this user's own loader (or from this user's own client). The plugins it needs are prepared and their load
     hooks run first, as for a trusted snapshot load. The bounds check is not run (see ``check_bounds`` in
-    :func:`zerocopy_pickle.loadcore.load_stream`)."""
+    :func:`zerocopy_pickle._core.loadcore.load_stream`)."""
     return load_stream(
         stream,
         buffers,

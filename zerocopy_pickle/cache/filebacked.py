@@ -23,9 +23,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .. import arena
-
-__all__ = ["FileRange", "Mapping", "file_ranges", "read_maps"]
+from .._storage import arena
 
 PAGE = mmap.PAGESIZE
 _PRESENT = 1 << 63

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import locate
+from .._core import locate
 from . import entries
 from .keys import Request
 from .messages import Get, JobResult, Put, Uncapturable

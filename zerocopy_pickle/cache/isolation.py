@@ -23,8 +23,6 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["SPAWNER_ENV", "WORKDIR_ENV", "child_environment", "clean_sys_path", "cleaned_path"]
-
 WORKDIR_ENV = "ZEROCOPY_PICKLE_CACHE_WORKDIR"
 SPAWNER_ENV = "ZEROCOPY_PICKLE_CACHE_SPAWNER_FD"
 """The fd of a socket to the client that started the server, which serves it as its first connection: the

@@ -23,15 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._core.loadcore import argument
+from .._names import GlobalName
 from .._version import __version__
-from ..loadcore import argument
-from ..names import GlobalName
 from . import entries
 from .messages import MAX_FILE_CHECKS, Call, FileCheck, Get
 from .points import split_point
 from .protocol import REQUEST, CacheError
-
-__all__ = ["Request", "Uncacheable", "cached_key", "describe", "register_result"]
 
 
 @dataclass(frozen=True)

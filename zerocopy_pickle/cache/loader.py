@@ -33,16 +33,14 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from .. import arena
-from ..discovery import resolve_name
-from ..names import GlobalName
+from .._names import GlobalName
+from .._registry.discovery import resolve_name
+from .._storage import arena
 from . import entries
 from .isolation import WORKDIR_ENV, clean_sys_path
 from .messages import Failure, Job, Preload, Ready
 from .points import all_patch_points, split_point
 from .protocol import CacheError, ProtocolError, fill_nice, receive, send
-
-__all__ = ["LEARNABLE", "PRELOAD", "learnable", "patch_point_modules", "zygote_main"]
 
 PRELOAD = ("torch", "safetensors.torch", "transformers", "diffusers")
 """Imported by the zygote when installed, so that children start with them."""

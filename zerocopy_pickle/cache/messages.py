@@ -27,40 +27,6 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from .protocol import MAX_BUFFERS, MAX_FDS, PUT, REQUEST, Limits, ProtocolError
 
-__all__ = [
-    "MAX_PLUGINS",
-    "PLACES",
-    "BufferRow",
-    "Call",
-    "Clear",
-    "Cleared",
-    "Done",
-    "EntryReply",
-    "Failure",
-    "FileCheck",
-    "Get",
-    "Job",
-    "JobRef",
-    "JobResult",
-    "Miss",
-    "Ping",
-    "Pong",
-    "Preload",
-    "Put",
-    "Ready",
-    "StatusReply",
-    "StatusRequest",
-    "Stop",
-    "Uncapturable",
-    "decode_buffer_table",
-    "decode_file_checks",
-    "decode_plugins",
-    "decode_reply",
-    "decode_request",
-    "encode_buffer_table",
-    "request_limits",
-]
-
 MAX_PLUGINS = 1000
 """Plugins one stream may name."""
 

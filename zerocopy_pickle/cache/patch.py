@@ -18,12 +18,9 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from ..registry import default_registry
+from .._registry.registry import default_registry
 from .client import cached_call
-from .points import DEFAULT_PATCH_POINTS, all_patch_points, split_point
-
-__all__ = ["DEFAULT_PATCH_POINTS", "patch_all", "patched_points", "unpatch_all"]
-
+from .points import all_patch_points, split_point
 
 _lock = threading.RLock()
 _originals: dict[str, tuple[Any, str, Any]] = {}  # point -> (owner, attribute, original attribute value)

@@ -17,16 +17,7 @@ from __future__ import annotations
 import importlib.metadata
 import warnings
 
-from ..names import GlobalName
-
-__all__ = [
-    "DEFAULT_PATCH_POINTS",
-    "PATCH_POINT_GROUP",
-    "all_patch_points",
-    "check_patch_point",
-    "declared_patch_points",
-    "split_point",
-]
+from .._names import GlobalName
 
 PATCH_POINT_GROUP = "zerocopy_pickle.cache_patch_points"
 

@@ -31,32 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._storage.remote import private_directory
 from ..errors import ZeroCopyPickleError
-from ..remote import private_directory
-
-__all__ = [
-    "CLIENT",
-    "DECODE_BYTES_PER_BYTE",
-    "ENTRY",
-    "FILL_NICE_ENV",
-    "MAX_BUFFERS",
-    "MAX_FDS",
-    "MAX_JSON_DEPTH",
-    "MAX_NUMBER_CHARS",
-    "PUT",
-    "REQUEST",
-    "CacheError",
-    "Limits",
-    "ProtocolError",
-    "decode_header",
-    "fill_nice",
-    "open_private_directory",
-    "peer_credentials",
-    "receive",
-    "runtime_dir",
-    "send",
-    "socket_path",
-]
 
 DIR_ENV = "ZEROCOPY_PICKLE_CACHE_DIR"
 FILL_NICE_ENV = "ZEROCOPY_PICKLE_CACHE_FILL_NICE"
@@ -160,7 +136,7 @@ def open_private_directory(path: Path, *, create: bool = True, what: str = "cach
 
     The checks are made on the opened directory (``O_NOFOLLOW``), so a name swapped after the check is not
     what gets used: open what is inside relative to the fd (``dir_fd=``). They are
-    :func:`zerocopy_pickle.remote.private_directory`'s (URL loads' download directory gets the same ones).
+    :func:`zerocopy_pickle._storage.remote.private_directory`'s (URL loads' download directory gets the same ones).
 
     Raises:
         CacheError: the directory is missing (``create=False``), is a symlink or not a directory, belongs to

@@ -38,8 +38,6 @@ from .messages import StatusReply, StatusRequest, Stop
 from .protocol import DIR_ENV, CacheError
 from .transport import Client
 
-__all__ = ["REMOTE_STEP", "SMALL_STEPS", "STEPS", "measure", "measure_autostart", "print_table", "run_demo"]
-
 STEPS = ("vae", "edge", "depth", "pipeline")
 REMOTE_STEP = "remote"  # the remote variant's fifth step: the model whose classes live in transformers_modules
 SMALL_STEPS = ("llama", "gpt2", "small-vae")  # the small variant: three models of about 1 MB, as saved (float32)
@@ -311,8 +309,8 @@ def print_table(results: dict[str, list[dict[str, Any]]]) -> None:
 
 def run_demo(size: str = "tiny", runs: int = 3, directory: str | None = None) -> int:
     """``zerocopy-pickle demo``: build the pipeline, run the scenario plain and cached, print the tables."""
-    from ..console import quiet_third_party
-    from ..demo import build_controlnet_pipeline
+    from .._console import quiet_third_party
+    from .._demo import build_controlnet_pipeline
 
     quiet_third_party()  # the build imports diffusers and transformers here; the runs below do in their children
 
@@ -333,7 +331,7 @@ def run_demo(size: str = "tiny", runs: int = 3, directory: str | None = None) ->
 if __name__ == "__main__":
     import warnings
 
-    from ..console import quiet_third_party
+    from .._console import quiet_third_party
 
     # The parent reads this process's stdout for the result line and shows its stderr only if the run fails:
     # keep that stderr to what can explain a failure (and _one_run turns the progress bars off).

@@ -71,8 +71,6 @@ from .protocol import (
 )
 from .store import Entry, Store
 
-__all__ = ["IDLE_TIMEOUT", "MAX_CONNECTIONS", "Server", "serve"]
-
 log = logging.getLogger(__name__)
 
 LOADER_TIMEOUT = 3600.0
@@ -627,7 +625,7 @@ def serve(
     server.bind()
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     # Log records, not prints: `zerocopy-pickle serve` and `python -m zerocopy_pickle.cache serve` send them to
-    # stderr (zerocopy_pickle.console); a program that serves in-process decides where they go.
+    # stderr (zerocopy_pickle._console); a program that serves in-process decides where they go.
     if not quiet:
         log.info("cache serving on %s (pid %d)", server.path, os.getpid())
     if spawner is not None and spawner.isdigit():  # the client that started us: its misses of the meantime

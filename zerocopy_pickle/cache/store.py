@@ -23,7 +23,7 @@ clients map is exactly what was persisted and can no longer change; a segment th
 persisted drops only the entries using it (and those that took them as arguments); anything else amiss and the
 server starts cold, having unpickled nothing (nothing in the directory is ever unpickled by the server: entries'
 streams are bytes it hands to the user's own clients). This module needs only the standard library (and
-``zerocopy_pickle.format`` and ``arena``, which need nothing else): the server never imports torch.
+``zerocopy_pickle._storage.format`` and ``arena``, which need nothing else): the server never imports torch.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import arena, readahead
-from ..format import align_up, padded_pieces, place_buffers
+from .._storage import arena, readahead
+from .._storage.format import align_up, padded_pieces, place_buffers
 from .messages import (
     BufferRow,
     FileCheck,
@@ -58,8 +58,6 @@ from .messages import (
     encode_buffer_table,
 )
 from .protocol import CacheError, ProtocolError, open_private_directory, runtime_dir
-
-__all__ = ["KEY_FILE", "Entry", "Segment", "Store", "persistence_key"]
 
 _INDEX = "index.json"
 _INDEX_VERSION = 4  # 3: typed buffer rows and the plugins entries need; 4: the files each key was computed from
@@ -628,8 +626,8 @@ class Store:
 
     def _prefetch_persisted(self, rows: list[Any]) -> dict[str, readahead.Prefetch]:
         """Start reading every persisted segment file and every adopted checkpoint file of the index into the page
-        cache, a few sequential streams each (:mod:`zerocopy_pickle.readahead`): the restore's copies and the first
-        hits' touches then read at the disk's parallel rate. Returns the prefetches of the segment files, by name
+        cache, a few sequential streams each (:mod:`zerocopy_pickle._storage.readahead`): the restore's copies and the
+        first hits' touches then read at the disk's parallel rate. Returns the prefetches of the segment files, by name
         (the restore has read them once it is done); the checkpoint files' go on in the background. A row that does
         not name a regular file here is left to the checks of the restore."""
         segments: dict[str, readahead.Prefetch] = {}

@@ -47,22 +47,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from .._home import home_dir
+from ..errors import ArgumentError, IntegrityError, SnapshotError, ZeroCopyPickleError
 from . import integrity, progress, sources
-from .errors import ArgumentError, IntegrityError, SnapshotError, ZeroCopyPickleError
-from .home import home_dir
-
-__all__ = [
-    "DIR_ENV",
-    "SLACK",
-    "WINDOW",
-    "UnsafeDirectoryError",
-    "fetch",
-    "is_url",
-    "open_fetched",
-    "private_directory",
-    "remote_dir",
-    "upload",
-]
 
 DIR_ENV = "ZEROCOPY_PICKLE_REMOTE_DIR"
 """The environment variable that sets :func:`remote_dir`."""

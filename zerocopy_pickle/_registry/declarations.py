@@ -18,23 +18,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import cast
 
-from .errors import ArgumentError, PluginError
-from .names import GlobalName
+from .._names import GlobalName
+from ..errors import ArgumentError, PluginError
 from .reducer_table import Reducer
-
-__all__ = [
-    "ENABLED",
-    "PluginInfo",
-    "check_module_prefix",
-    "check_safe_global",
-    "claim_for",
-    "global_pairs",
-    "module_claims",
-    "plugin_names",
-    "resolve_safe_global",
-    "safe_globals",
-    "top_package",
-]
 
 ENABLED = ("loaded", "registered")
 """The states of a plugin whose declarations count."""

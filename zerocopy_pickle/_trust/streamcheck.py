@@ -26,18 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from .errors import SnapshotError
-
-__all__ = [
-    "DYNAMIC",
-    "MAX_MARKS",
-    "MAX_STACK",
-    "DigestCache",
-    "StreamFacts",
-    "check_stream",
-    "validated",
-    "walk_stream",
-]
+from ..errors import SnapshotError
 
 MAX_STACK = 1 << 20
 """Deepest unpickler stack accepted. Picklers batch container items by the thousand; 1M is far beyond any

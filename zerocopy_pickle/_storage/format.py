@@ -30,22 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .errors import SnapshotError
-
-__all__ = [
-    "FIXED_NBYTES",
-    "FORMAT_VERSION",
-    "MAGIC",
-    "BufferEntry",
-    "BufferSpec",
-    "Checksums",
-    "Header",
-    "Layout",
-    "PluginRef",
-    "decode_fixed",
-    "decode_header",
-    "encode",
-]
+from ..errors import SnapshotError
 
 MAGIC_PREFIX = b"\x89ZCP\r\n\x1a"
 """First seven bytes of every snapshot. Like PNG's, the CR LF and ^Z catch text-mode mangling."""

@@ -32,9 +32,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from . import rebuild
-from .safeglobals import rebuild_ndarray, rebuild_numpy_dtype, rebuild_numpy_scalar
-from .validate import (
+from .. import rebuild
+from ..safeglobals import rebuild_ndarray, rebuild_numpy_dtype, rebuild_numpy_scalar
+from ..validate import (
     MAX_DIMS,
     charge,
     expect,
@@ -46,14 +46,6 @@ from .validate import (
     expect_str,
     fail,
 )
-
-__all__ = [
-    "MAX_VIEW_ELEMENTS",
-    "MAX_VIEW_RATIO",
-    "SafeGlobal",
-    "check_view",
-    "safe_table",
-]
 
 MAX_VIEW_RATIO = 16
 """A tensor view may cover at most this many times the elements its storage holds ..."""

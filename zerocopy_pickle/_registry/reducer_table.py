@@ -14,10 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ArgumentError
-from .names import GlobalName
-
-__all__ = ["ReduceFunction", "Reducer", "ReducerTable", "make_reducer", "target_key", "type_key"]
+from .._names import GlobalName
+from ..errors import ArgumentError
 
 ReduceFunction = Callable[[Any], Any]
 """``reduce(obj)`` returns what ``__reduce__`` would (a tuple, or a global name), or NotImplemented."""

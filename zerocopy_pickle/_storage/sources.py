@@ -31,25 +31,8 @@ import zipfile
 from collections.abc import Callable
 from typing import BinaryIO, Literal, NamedTuple, Union
 
+from ..errors import ArgumentError, SnapshotError
 from . import arena, format
-from .errors import ArgumentError, SnapshotError
-
-__all__ = [
-    "FD",
-    "INSPECT",
-    "LOAD",
-    "LOADS",
-    "Accepts",
-    "Opened",
-    "ReadAt",
-    "at_fd",
-    "at_view",
-    "claimed_nbytes",
-    "not_a_snapshot",
-    "open_source",
-    "read_header",
-    "sniff",
-]
 
 PathLike = Union[str, "os.PathLike[str]"]
 

@@ -5,11 +5,11 @@ Pickle resolves every class and function a stream names through ``Unpickler.find
 act on what was resolved: REDUCE calls it, NEWOBJ instantiates it, BUILD sets state on whatever is below it. A
 restricted load decides both, before the C unpickler runs anything:
 
-* **What a stream does** is worked out by :mod:`zerocopy_pickle.semantics` from the opcodes alone (remembered
+* **What a stream does** is worked out by :mod:`zerocopy_pickle._trust.semantics` from the opcodes alone (remembered
   by the stream's digest): which named globals it calls, instantiates, and which results it fills. REDUCE on
   anything but a named global, BUILD on anything but an object the load created, container opcodes on anything
   but containers the stream built are refused there, whatever the allow-list says.
-* **What it may name** comes from an :class:`AllowList`: the built-in safe set (:mod:`zerocopy_pickle.safe_set`:
+* **What it may name** comes from an :class:`AllowList`: the built-in safe set (:mod:`zerocopy_pickle._trust.safe_set`:
   validating wrappers of torch's and this library's rebuild functions, containers, primitives, dtypes), the
   declared safe globals of the plugins the snapshot's header names (functions that check their arguments), and
   the call's ``allow=``: classes the stream may instantiate and fill, objects it may reference as values, and
@@ -42,27 +42,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import rebuild, semantics
-from .errors import ArgumentError, MissingGlobalError, PluginError, RestrictedLoadError, SnapshotError
-from .names import GlobalName
+from .. import rebuild
+from .._names import GlobalName
+from ..errors import ArgumentError, MissingGlobalError, PluginError, RestrictedLoadError, SnapshotError
+from . import semantics
 from .safe_set import safe_table
 from .semantics import StreamUses
 from .streamcheck import walk_stream
-
-__all__ = [
-    "AllowFunction",
-    "AllowList",
-    "AllowSpec",
-    "allow_function",
-    "format_global",
-    "is_blocked",
-    "numpy_machinery",
-    "refusal_message",
-    "safe_globals",
-    "scan_stream",
-    "spell_allow",
-    "stream_uses",
-]
 
 # Note [Per-call allow-lists]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -236,7 +222,7 @@ def _pair_of(obj: Any) -> tuple[str, str]:
 
 def safe_globals() -> Mapping[tuple[str, str], object]:
     """The built-in safe set: every global a stream of tensors, storages and containers needs, mapped to what a
-    restricted load pushes for it (a validating function of :mod:`zerocopy_pickle.safe_set` for callables, the
+    restricted load pushes for it (a validating function of :mod:`zerocopy_pickle._trust.safe_set` for callables, the
     object itself for values such as dtypes). Read-only; nothing ever adds to it."""
     return _safe_values()
 
@@ -332,8 +318,8 @@ class AllowList:
             on first use. Each must be a plain function; the stream may call it.
         storage_builder: what ``zerocopy_pickle.rebuild:rebuild_storage`` resolves to in this load.
         resolve_extra: how a pair of ``extra`` mapped to None is resolved (the registry's
-            :meth:`~zerocopy_pickle.registry.Registry.resolve_safe_global`, which imports and checks it); by default
-            it is imported and must be a plain function.
+            :meth:`~zerocopy_pickle._registry.registry.Registry.resolve_safe_global`, which imports and checks it);
+            by default it is imported and must be a plain function.
 
     Raises:
         ArgumentError: an entry is not one of the accepted forms.
@@ -783,11 +769,11 @@ def refusal_message(
 
 
 def stream_uses(stream: bytes) -> StreamUses:
-    """:func:`zerocopy_pickle.semantics.uses`, with a refusal that also says when the stream holds code pickled by
-    value (which only a trusted load runs).
+    """:func:`zerocopy_pickle._trust.semantics.uses`, with a refusal that also says when the stream holds code
+    pickled by value (which only a trusted load runs).
 
     Raises:
-        RestrictedLoadError, SnapshotError: as :func:`zerocopy_pickle.semantics.uses`.
+        RestrictedLoadError, SnapshotError: as :func:`zerocopy_pickle._trust.semantics.uses`.
     """
     try:
         return semantics.uses(stream)
@@ -818,6 +804,6 @@ def scan_stream(stream: bytes | bytearray | memoryview) -> tuple[tuple[str, str]
         ``(module, qualname)`` pairs in order of first appearance.
 
     Raises:
-        SnapshotError: the stream is malformed or breaks a bound (see :mod:`zerocopy_pickle.streamcheck`).
+        SnapshotError: the stream is malformed or breaks a bound (see :mod:`zerocopy_pickle._trust.streamcheck`).
     """
     return walk_stream(stream, collect_globals=True).globals

@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["Failure", "locate_failure", "paths_to"]
-
 _ATOMIC = (type(None), bool, int, float, complex, str, bytes, bytearray)
 _MODULE_CONTAINERS = ("_modules", "_parameters", "_buffers")
 

@@ -6,7 +6,7 @@ A plugin's registration runs against a :class:`PluginDraft`, through the :class:
 ``register(registrar)`` function, and nothing else: there is no ambient "current plugin". Registrations made
 through the module-level functions (``zerocopy_pickle.register_reducer``) while a plugin registers are the
 running program's own, not the plugin's. :func:`run_registration` returns what to commit, or a failed
-:class:`~zerocopy_pickle.declarations.PluginInfo` with nothing to commit.
+:class:`~zerocopy_pickle._registry.declarations.PluginInfo` with nothing to commit.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from ..errors import ArgumentError
 from .declarations import PluginInfo, check_module_prefix, global_pairs
-from .errors import ArgumentError
 from .reducer_table import ReduceFunction, Reducer, ReducerTable, make_reducer
-
-__all__ = ["PluginDraft", "Registrar", "run_registration"]
 
 
 @dataclass

@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 
-from . import rebuild, streamcheck, transfer
-from .device import MapLocation, check_targets, is_cpu, static_target
-from .errors import ArgumentError, SnapshotError, ZeroCopyPickleError
+from .. import rebuild
+from .._devices import transfer
+from .._devices.device import MapLocation, check_targets, is_cpu, static_target
+from .._registry.registry import Registry, default_registry
+from .._trust import streamcheck
+from .._trust.restricted import AllowSpec, stream_uses
+from .._trust.semantics import StreamUses
+from ..errors import ArgumentError, SnapshotError, ZeroCopyPickleError
 from .pickler import ZeroCopyUnpickler
-from .registry import Registry, default_registry
-from .restricted import AllowSpec, stream_uses
-from .semantics import StreamUses
-
-__all__ = ["ARGUMENT", "argument", "load_stream"]
 
 
 def argument(index: int) -> Any:
@@ -101,7 +101,7 @@ def load_stream(
             built (None: not known, not checked).
         tensor_buffers: which buffers hold a tensor's storage (a snapshot header's rows with a dtype): those
             whose target is a device with a bulk transfer (CUDA) are moved there in one transfer per device before
-            unpickling (:mod:`zerocopy_pickle.transfer`); others go storage by storage. Needs ``locations``.
+            unpickling (:mod:`zerocopy_pickle._devices.transfer`); others go storage by storage. Needs ``locations``.
         declared: the number of buffers, when ``buffers`` is a function.
         arguments: objects the stream's :func:`argument` references resolve to (trusted loads only).
         uses: the stream's analysis, if the caller has it.

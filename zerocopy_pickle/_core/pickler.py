@@ -33,22 +33,14 @@ from typing import IO, Any
 
 import torch
 
-from . import rebuild, safeglobals, validate
-from .device import MapLocation, static_target
-from .errors import (
-    ArgumentError,
-    RestrictedLoadError,
-    SnapshotError,
-    Unpicklable,
-    ZeroCopyPickleError,
-)
-from .format import BufferSpec, PluginRef
-from .names import GlobalName
-from .registry import Registry, default_registry
-from .restricted import AllowList, AllowSpec, stream_uses
-from .semantics import StreamUses
-
-__all__ = ["PROTOCOL", "ZeroCopyPickler", "ZeroCopyUnpickler", "dill_pickler"]
+from .. import rebuild, safeglobals, validate
+from .._devices.device import MapLocation, static_target
+from .._names import GlobalName
+from .._registry.registry import Registry, default_registry
+from .._storage.format import BufferSpec, PluginRef
+from .._trust.restricted import AllowList, AllowSpec, stream_uses
+from .._trust.semantics import StreamUses
+from ..errors import ArgumentError, RestrictedLoadError, SnapshotError, Unpicklable, ZeroCopyPickleError
 
 PROTOCOL = 5
 """Out-of-band buffers need pickle protocol 5 (PEP 574)."""
@@ -477,8 +469,8 @@ def dill_pickler(
 class ZeroCopyUnpickler(pickle.Unpickler):
     """A ``pickle.Unpickler`` (C) for streams written by :class:`ZeroCopyPickler`.
 
-    Restricted by default: before anything runs, the stream is analysed (:mod:`zerocopy_pickle.semantics`) and
-    admitted by the call's :class:`~zerocopy_pickle.restricted.AllowList`: it may only name the built-in safe
+    Restricted by default: before anything runs, the stream is analysed (:mod:`zerocopy_pickle._trust.semantics`) and
+    admitted by the call's :class:`~zerocopy_pickle._trust.restricted.AllowList`: it may only name the built-in safe
     set, plugins' declared safe globals and what ``allow`` admits, call only what those let it call, and fill
     only objects it created. A restricted unpickler reads ``file`` to its end when it is made (one stream per
     file).
@@ -490,12 +482,13 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         map_location: where storages go, as for ``torch.load``.
         trusted: resolve every global (full pickle; runs whatever code the stream names).
         allow: further globals for this unpickler only: classes, values, ``"module:qualname"`` strings, and
-            :func:`~zerocopy_pickle.restricted.allow_function` entries for functions the stream may call.
+            :func:`~zerocopy_pickle._trust.restricted.allow_function` entries for functions the stream may call.
         encoding, errors, fix_imports: as for ``pickle.Unpickler``.
         registry: whose plugins' safe globals to allow (default: the process's registry).
         plugins: the names of the plugins whose safe globals this stream may use (a snapshot header's list);
             None allows every registered plugin's.
-        stream_uses: the stream's analysis, when the caller already has it (:func:`zerocopy_pickle.semantics.uses`).
+        stream_uses: the stream's analysis, when the caller already has it
+            (:func:`zerocopy_pickle._trust.semantics.uses`).
         placed: the load's :class:`~zerocopy_pickle.rebuild.Placement` (the load core's: buffers with their
             header rows, some already moved to their device by the bulk transfer). Without it, a list or tuple
             of ``buffers`` gets one of its own, so here too a buffer is one storage however often the stream

@@ -1,12 +1,12 @@
 """Internal: the public API's implementation (re-exported by ``zerocopy_pickle``): ``dump``/``load`` on paths
 and files, ``dumps``/``loads`` on bytes, ``freeze`` and :class:`Snapshot` on memfds, and ``scan``.
 
-Dump: the object graph goes through :class:`~zerocopy_pickle.pickler.ZeroCopyPickler`, whose buffer
-callback only *collects* each storage's memory; then :func:`~zerocopy_pickle.format.encode` lays the
+Dump: the object graph goes through :class:`~zerocopy_pickle._core.pickler.ZeroCopyPickler`, whose buffer
+callback only *collects* each storage's memory; then :func:`~zerocopy_pickle._storage.format.encode` lays the
 snapshot out, and the pieces are written in one pass (``writev``): each tensor byte is copied once, straight
 from the tensor into the file or memfd.
 
-Load: :func:`~zerocopy_pickle.sources.open_source` maps the snapshot ``MAP_PRIVATE`` once (or reads it into
+Load: :func:`~zerocopy_pickle._storage.sources.open_source` maps the snapshot ``MAP_PRIVATE`` once (or reads it into
 private memory) and validates its header; each buffer is sliced from the mapping, and the C unpickler rebuilds
 every storage as a view into it. Load time grows with the number of objects, not of bytes; pages are read when
 a tensor first touches them.
@@ -31,28 +31,15 @@ from typing import IO, Any, Union
 
 import torch
 
-from . import arena, format, integrity, loadcore, locate, progress, readahead, remote, sources
-from ._version import __version__
-from .device import MapLocation, is_cpu, static_target
-from .errors import ArgumentError, DumpError, SnapshotError, TrustedOnlyWarning, Unpicklable, ZeroCopyPickleError
+from .._devices.device import MapLocation, is_cpu, static_target
+from .._registry.preparation import check_offloaded, dump_reductions, refuse_offloaded_modules
+from .._registry.registry import Registry, default_registry
+from .._storage import arena, format, integrity, progress, readahead, remote, sources
+from .._trust.restricted import AllowSpec, scan_stream
+from .._version import __version__
+from ..errors import ArgumentError, DumpError, SnapshotError, TrustedOnlyWarning, Unpicklable, ZeroCopyPickleError
+from . import loadcore, locate
 from .pickler import ZeroCopyPickler, dill_pickler
-from .preparation import check_offloaded, dump_reductions, refuse_offloaded_modules
-from .registry import Registry, default_registry
-from .restricted import AllowSpec, scan_stream
-
-__all__ = [
-    "BACKENDS",
-    "Snapshot",
-    "dump",
-    "dumps",
-    "freeze",
-    "load",
-    "loads",
-    "prefetch",
-    "prefetches",
-    "read_header",
-    "scan",
-]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -473,7 +460,7 @@ def _warn_if_trusted_only(obj: object, prepared: _Prepared, registry: Registry |
     objects, count = prepared.by_value
     if not count:
         return
-    from .console import printable  # here, not at import: importing the library imports no console code
+    from .._console import printable  # here, not at import: importing the library imports no console code
 
     paths = locate.paths_to(obj, objects, reduce=_reducer_as_pickler(registry))
     shown = "; ".join(
@@ -493,7 +480,7 @@ def _warn_if_trusted_only(obj: object, prepared: _Prepared, registry: Registry |
 def _describe_by_value(obj: object) -> str:
     kind = "class" if isinstance(obj, type) else "function"
     name = f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
-    from .console import printable
+    from .._console import printable
 
     return f"{kind} {printable(name)[:120]}"
 
@@ -581,7 +568,7 @@ def _load_view(
     copies (``bytes``). ``stable`` says that nobody can change the bytes behind ``view`` (private memory, a
     sealed memfd); otherwise ``verify`` copies every buffer into private memory as it checks it, and the
     storages are views into that copy. ``header``: the header already decoded from ``view`` (by
-    :func:`~zerocopy_pickle.sources.open_source`), else it is decoded here. ``source`` and ``level``: how the
+    :func:`~zerocopy_pickle._storage.sources.open_source`), else it is decoded here. ``source`` and ``level``: how the
     log record of the load names the snapshot, and at which level it is logged. ``before_buffers``: called once
     every check passed, just before the buffers are sliced (a prefetch starts there, so that a refused load reads
     nothing and the checks' own reads, such as plugins' imports, do not queue behind it). ``file``: ``(fd, offset)``

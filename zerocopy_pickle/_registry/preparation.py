@@ -20,20 +20,9 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ..errors import ArgumentError, DumpError, PluginError, Unpicklable
 from .declarations import PluginInfo
 from .discovery import DISABLE_ENV
-from .errors import ArgumentError, DumpError, PluginError, Unpicklable
-
-__all__ = [
-    "OFFLOADED",
-    "check_offloaded",
-    "check_present",
-    "dump_reductions",
-    "prepare_load",
-    "reduce_offloaded_loader",
-    "refuse_offloaded_modules",
-    "run_load_hooks",
-]
 
 
 def check_present(plugins: Mapping[str, PluginInfo], needed: Iterable[tuple[str, str]]) -> None:

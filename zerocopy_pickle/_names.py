@@ -13,8 +13,6 @@ from typing import Any
 
 from .errors import MissingGlobalError
 
-__all__ = ["GlobalName"]
-
 
 @dataclass(frozen=True, order=True)
 class GlobalName:

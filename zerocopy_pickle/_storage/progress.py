@@ -3,7 +3,7 @@
 :func:`bar` decides once per operation whether a bar is worth showing: only when ``sys.stderr`` is a terminal,
 the operation moves at least :data:`THRESHOLD` bytes (``$ZEROCOPY_PICKLE_PROGRESS_MIN``), and
 ``$ZEROCOPY_PICKLE_PROGRESS`` is not ``0``. Then it yields a tqdm bar's ``update`` (tqdm is imported only then);
-otherwise it yields ``None``, and the writers it is passed to (:func:`zerocopy_pickle.arena.write_placed` and
+otherwise it yields ``None``, and the writers it is passed to (:func:`zerocopy_pickle._storage.arena.write_placed` and
 friends take ``progress=``) skip even the call: a dump without a bar runs exactly the code it ran before bars
 existed. Writers report per window or write call (a MiB or more), never per byte.
 
@@ -18,9 +18,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 
-from .errors import ArgumentError
-
-__all__ = ["ENV", "MIN_ENV", "THRESHOLD", "Report", "bar"]
+from ..errors import ArgumentError
 
 ENV = "ZEROCOPY_PICKLE_PROGRESS"
 """``0`` (or ``off``): never show a bar. Unset, empty or ``auto``: show one on a terminal above the threshold."""

@@ -12,7 +12,7 @@ zerocopy-pickle --version
 Every command exits with one of the ``EXIT_*`` statuses below (documented in ``--help``), and reports an expected
 failure (an error of :mod:`zerocopy_pickle.errors`, an ``OSError``) as one line ``zerocopy-pickle CMD: error: ...``
 on stderr, without a traceback; with ``--json`` it also prints ``{"error": ..., "exit_code": ...}`` on stdout.
-``-v``/``-q`` set the level of the ``zerocopy_pickle`` logger (:mod:`zerocopy_pickle.console`, which also filters
+``-v``/``-q`` set the level of the ``zerocopy_pickle`` logger (:mod:`zerocopy_pickle._console`, which also filters
 known third-party noise); only the command line configures logging, never the library.
 
 Snapshot modules (and torch) are imported inside the commands that need them: ``serve`` (the model cache's
@@ -33,23 +33,12 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from . import format as fmt
+from ._console import printable
+from ._storage import format as fmt
 from ._version import __version__
 from .cache.cli import EXIT_INTERRUPTED, EXIT_NO_SERVER, NoServer, add_cache_commands
 from .cache.cli import human as _human
-from .console import printable
 from .errors import IntegrityError, MissingGlobalError, RestrictedLoadError, ZeroCopyPickleError
-
-__all__ = [
-    "EXIT_ERROR",
-    "EXIT_INTEGRITY",
-    "EXIT_INTERRUPTED",
-    "EXIT_NO_SERVER",
-    "EXIT_OK",
-    "EXIT_REFUSED",
-    "EXIT_USAGE",
-    "main",
-]
 
 EXIT_OK = 0
 """The command did what it was asked."""
@@ -100,9 +89,9 @@ environment:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from . import integrity
-    from .restricted import format_global
-    from .snapshot import Snapshot, scan
+    from ._core.snapshot import Snapshot, scan
+    from ._storage import integrity
+    from ._trust.restricted import format_global
 
     with Snapshot.open(args.file) as snap:
         header = snap.header
@@ -170,9 +159,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _scan(args: argparse.Namespace) -> int:
-    from . import integrity, sources
-    from .loadcore import admit_stream
-    from .restricted import format_global, scan_stream
+    from ._core.loadcore import admit_stream
+    from ._storage import integrity, sources
+    from ._trust.restricted import format_global, scan_stream
 
     opened = sources.open_source(args.file, sources.INSPECT, what="scan")
     header = opened.header
@@ -239,8 +228,8 @@ def _statuses(
     what it denotes, and a global the verdict lists as ``needed`` or ``blocked`` is never ``allowed``. A status is
     about the name: a stream refused for what it does with an allowed global (calls a dtype) keeps it ``allowed``.
     """
-    from .pickler import ZeroCopyUnpickler
-    from .restricted import is_blocked, refusal_message, safe_globals
+    from ._core.pickler import ZeroCopyUnpickler
+    from ._trust.restricted import is_blocked, refusal_message, safe_globals
 
     allow_list = ZeroCopyUnpickler(
         io.BytesIO(stream), buffers=[], allow=allow, plugins=[name for name, _ in plugins]
@@ -282,9 +271,9 @@ def _statuses(
 
 
 def _sniff(path: str) -> str:
-    """What ``path`` is (:func:`zerocopy_pickle.sources.sniff`, the detection loads use too); anything unknown is
-    handed to torch.load, whose error then says what is wrong."""
-    from .sources import at_fd, sniff
+    """What ``path`` is (:func:`zerocopy_pickle._storage.sources.sniff`, the detection loads use too); anything unknown
+    is handed to torch.load, whose error then says what is wrong."""
+    from ._storage.sources import at_fd, sniff
 
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -329,7 +318,7 @@ def _torch_load_failure(path: str, error: Exception) -> str:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .snapshot import Snapshot, dump
+    from ._core.snapshot import Snapshot, dump
 
     kind = _sniff(args.input)
     if kind == "snapshot":
@@ -420,7 +409,7 @@ def _native(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     if args.snapshot:
-        from . import demo
+        from . import _demo as demo
 
         return demo.run(size_mb=args.size_mb, repeat=args.repeat, directory=args.dir)
     from .cache.scenario import run_demo
@@ -620,7 +609,7 @@ def _exit_code(error: BaseException) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``zerocopy-pickle`` console script: run one command and return its exit status."""
-    from .console import configure_logging, quiet_third_party
+    from ._console import configure_logging, quiet_third_party
 
     args = _parser().parse_args(argv)  # exits 2 on a usage error, 0 after --help or --version
     verbosity = args.verbose + args.verbose_command - args.quiet - args.quiet_command

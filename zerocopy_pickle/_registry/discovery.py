@@ -17,10 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._names import GlobalName
 from .declarations import PluginInfo, top_package
-from .names import GlobalName
-
-__all__ = ["DISABLE_ENV", "ENTRY_POINT_GROUP", "Found", "PluginWarning", "entry_points", "resolve_name", "warn_failed"]
 
 ENTRY_POINT_GROUP = "zerocopy_pickle.plugins"
 DISABLE_ENV = "ZEROCOPY_PICKLE_DISABLE_PLUGINS"

@@ -29,26 +29,6 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import BinaryIO
 
-__all__ = [
-    "Piece",
-    "Share",
-    "anonymous",
-    "atomic_output",
-    "buffer_address",
-    "copy_to_sealed_memfd",
-    "create_memfd",
-    "is_immutable",
-    "map_private",
-    "preallocate",
-    "read_exact_into",
-    "seal",
-    "seals_of",
-    "split_placed",
-    "write_pieces",
-    "write_placed",
-    "write_shares",
-]
-
 Piece = bytes | bytearray | memoryview
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -25,23 +25,9 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from ..errors import ArgumentError, IntegrityError
 from . import arena
-from .errors import ArgumentError, IntegrityError
 from .format import CHECKSUM_ALGORITHM, Checksums, Header
-
-__all__ = [
-    "checksum",
-    "checksums",
-    "copy_verified",
-    "sign",
-    "verify_buffers",
-    "verify_file",
-    "verify_signature",
-    "verify_stream",
-    "write_buffers",
-    "write_checksummed",
-    "writers",
-]
 
 _DOMAIN = b"zerocopy_pickle snapshot signature v2\0"
 

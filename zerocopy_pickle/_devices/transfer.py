@@ -47,33 +47,9 @@ from typing import Any, Protocol
 
 import torch
 
+from .._storage import readahead
+from ..errors import ArgumentError, DeviceError, SnapshotError
 from . import device as devices
-from . import readahead
-from .errors import ArgumentError, DeviceError, SnapshotError
-
-__all__ = [
-    "CHUNK_BYTES",
-    "DEVICE_ALIGNMENT",
-    "METHODS",
-    "SLOTS",
-    "Backend",
-    "Chunk",
-    "CudaBackend",
-    "Piece",
-    "Plan",
-    "Read",
-    "Run",
-    "SourceFile",
-    "backend_for",
-    "device_of",
-    "has_backend",
-    "move",
-    "plan",
-    "plan_reads",
-    "rebuildable",
-    "register_ranges",
-    "to_device",
-]
 
 DEVICE_ALIGNMENT = 512
 """Where each storage starts in the device allocation: the caching allocator's own granularity, so a carved

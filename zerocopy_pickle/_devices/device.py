@@ -18,9 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from .errors import ArgumentError, DeviceError
-
-__all__ = ["MapLocation", "check_device", "check_targets", "default_restore", "restore", "static_target"]
+from ..errors import ArgumentError, DeviceError
 
 MapLocation = (
     str

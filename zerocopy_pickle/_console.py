@@ -3,7 +3,7 @@
 Two things a program with a terminal decides and a library must not: where the ``zerocopy_pickle`` log records go
 (:func:`configure_logging`), and which third-party messages are noise to the person reading that terminal
 (:func:`quiet_third_party`). And one thing every line for a terminal needs: text that came from a file, shown so
-that it cannot drive the terminal (:func:`printable`). ``zerocopy_pickle.cli`` and the demo call them; the
+that it cannot drive the terminal (:func:`printable`). ``zerocopy_pickle._cli`` and the demo call them; the
 library's dump and load paths never import this module (a library that configures logging or swallows other
 libraries' warnings takes that choice away from the application it runs in).
 """
@@ -14,10 +14,8 @@ import logging
 import re
 import sys
 
-__all__ = ["NOISE", "configure_logging", "printable", "quiet_third_party"]
-
 LOGGER_NAME = "zerocopy_pickle"
-_HANDLER_NAME = "zerocopy_pickle.console"
+_HANDLER_NAME = "zerocopy_pickle._console"
 
 # The third-party messages the demo and the CLI drop: (logger name, regular expression matched at the start of the
 # message). Each is matched exactly, on the logger that emits it, so anything else those libraries say still reaches

@@ -3,15 +3,15 @@
 Not a public module: :class:`Registry`, :func:`default_registry` and the module-level functions are public
 through the top-level ``zerocopy_pickle`` namespace and :mod:`zerocopy_pickle.plugin`. The parts, one job each:
 
-* :mod:`~zerocopy_pickle.reducer_table`: the reducer table and its MRO lookup by type name (registering never
+* :mod:`~zerocopy_pickle._registry.reducer_table`: the reducer table and its MRO lookup by type name (registering never
   imports the library a reducer is about);
-* :mod:`~zerocopy_pickle.discovery`: the entry-point group ``zerocopy_pickle.plugins``, disabling by
+* :mod:`~zerocopy_pickle._registry.discovery`: the entry-point group ``zerocopy_pickle.plugins``, disabling by
   ``ZEROCOPY_PICKLE_DISABLE_PLUGINS``, the warning for a plugin that fails;
-* :mod:`~zerocopy_pickle.registrar`: one plugin's registration as a transaction (the :class:`Registrar` a
+* :mod:`~zerocopy_pickle._registry.registrar`: one plugin's registration as a transaction (the :class:`Registrar` a
   plugin's ``register`` receives; committed whole or rolled back);
-* :mod:`~zerocopy_pickle.declarations`: safe globals and module claims, the trust rules on them, and whose
+* :mod:`~zerocopy_pickle._registry.declarations`: safe globals and module claims, the trust rules on them, and whose
   declarations a load sees;
-* :mod:`~zerocopy_pickle.preparation`: what a load does with the plugins its header names.
+* :mod:`~zerocopy_pickle._registry.preparation`: what a load does with the plugins its header names.
 
 Discovery is lazy (the first pickler or load, not ``import zerocopy_pickle``), cached, and isolated: a plugin
 that fails is reported once as a :class:`PluginWarning` naming it, its partial registrations are rolled back, and
@@ -26,29 +26,12 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ..errors import PluginError
 from . import declarations, preparation
-from .declarations import PluginInfo, check_safe_global, global_pairs, top_package
-from .discovery import DISABLE_ENV, ENTRY_POINT_GROUP, PluginWarning, entry_points, resolve_name, warn_failed
-from .errors import PluginError
-from .reducer_table import ReduceFunction, Reducer, ReducerTable, make_reducer, type_key
+from .declarations import PluginInfo, global_pairs, top_package
+from .discovery import entry_points, warn_failed
+from .reducer_table import ReduceFunction, Reducer, ReducerTable, make_reducer
 from .registrar import Registrar, run_registration
-
-__all__ = [
-    "DISABLE_ENV",
-    "ENTRY_POINT_GROUP",
-    "PluginInfo",
-    "PluginWarning",
-    "Reducer",
-    "Registrar",
-    "Registry",
-    "check_safe_global",
-    "default_registry",
-    "reducers",
-    "register_reducer",
-    "resolve_name",
-    "type_key",
-    "unregister_reducer",
-]
 
 
 class Registry:

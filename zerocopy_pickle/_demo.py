@@ -21,9 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .snapshot import dump, freeze, load
-
-__all__ = ["TinyGPT", "build_controlnet_pipeline", "build_model", "build_remote_code_model", "run"]
+from ._core.snapshot import dump, freeze, load
 
 
 class TinyGPT(nn.Module):
@@ -76,7 +74,7 @@ def _touch(tensors: Any) -> float:
 
 def run(size_mb: int = 256, repeat: int = 5, directory: str | None = None) -> int:
     """Run the demo and print its table. Returns a process exit status."""
-    from .console import quiet_third_party
+    from ._console import quiet_third_party
 
     quiet_third_party()
     with tempfile.TemporaryDirectory(dir=directory, prefix="zcp-demo-") as tmp:

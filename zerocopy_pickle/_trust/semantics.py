@@ -34,7 +34,7 @@ deeper than :data:`MAX_KEY_DEPTH`, names longer than
 (:data:`HASH_FLOOR`, :data:`HASH_PER_BYTE`).
 
 What remains depends on the allow-list and is decided per load by
-:meth:`zerocopy_pickle.restricted.AllowList.admit` from the returned :class:`StreamUses`: which globals are
+:meth:`zerocopy_pickle._trust.restricted.AllowList.admit` from the returned :class:`StreamUses`: which globals are
 called, instantiated, and which mutating opcodes reach the results of which globals. The analysis depends on
 the stream's bytes alone, so :func:`uses` remembers it by the stream's BLAKE2b digest.
 """
@@ -45,23 +45,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import RestrictedLoadError, SnapshotError
 from . import streamcheck
-from .errors import RestrictedLoadError, SnapshotError
-
-__all__ = [
-    "ANALYSIS_CACHE_BYTES",
-    "COLLISION_FLOOR",
-    "HASH_FLOOR",
-    "HASH_PER_BYTE",
-    "MAX_DEPTH",
-    "MAX_KEY_DEPTH",
-    "MAX_NAME_LENGTH",
-    "MAX_UNPROTECTED_DEPTH",
-    "StreamUses",
-    "analyze",
-    "forget",
-    "uses",
-]
 
 MAX_DEPTH = 5_000
 """Deepest nesting of values a restricted load accepts. pickle.dump itself stops near the recursion limit
@@ -322,7 +307,7 @@ def _line(data: bytes, pos: int) -> tuple[bytes, int]:
 
 def analyze(stream: bytes) -> StreamUses:
     """Run the stream over tags (see the module docstring). The stream must already have passed
-    :func:`zerocopy_pickle.streamcheck.check_stream` (lengths, memo indices, stack and MARK bounds).
+    :func:`zerocopy_pickle._trust.streamcheck.check_stream` (lengths, memo indices, stack and MARK bounds).
 
     Raises:
         RestrictedLoadError: the stream does something no restricted load allows (naming the opcode and offset).
@@ -661,10 +646,10 @@ _OPS_BY_BITS = tuple(
 
 
 def _native_uses(stream: bytes) -> StreamUses | None:
-    """:func:`zerocopy_pickle.streamcheck.check_stream` + :func:`analyze` by the native helper when the native
+    """:func:`zerocopy_pickle._trust.streamcheck.check_stream` + :func:`analyze` by the native helper when the native
     backend is active; ``None`` when it is not, or when the stream is refused or malformed (or holds what the
     helper leaves to Python): the Python checks then run and raise the precise error."""
-    from . import native  # imported on first use, as the rest of the library does (it may build the helpers)
+    from .. import native  # imported on first use, as the rest of the library does (it may build the helpers)
 
     analyzer = native.stream_analyzer()
     if analyzer is None:
@@ -714,7 +699,7 @@ def _from_native(payload: tuple[Any, ...]) -> StreamUses:
 #   hash, and costs at most what hashing the smaller one did.) The safe set's functions charge what they walk
 #   or copy to the load's other budget (zerocopy_pickle.validate.charge).
 # * Names. GLOBAL and STACK_GLOBAL names are at most MAX_NAME_LENGTH characters, and every check of a name is
-#   linear in it (zerocopy_pickle.restricted._module_blocked).
+#   linear in it (zerocopy_pickle._trust.restricted._module_blocked).
 #
 # Everything else the analysis does is a constant amount of work per opcode, and its memory is a tag per
 # value the stream creates.
@@ -735,7 +720,7 @@ _ANALYSED: streamcheck.DigestCache[StreamUses] = streamcheck.DigestCache(max_byt
 
 
 def uses(stream: bytes) -> StreamUses:
-    """:func:`zerocopy_pickle.streamcheck.check_stream` then :func:`analyze`, remembered by the stream's BLAKE2b
+    """:func:`zerocopy_pickle._trust.streamcheck.check_stream` then :func:`analyze`, remembered by the stream's BLAKE2b
     digest (a cryptographic digest, so no other stream can pose as an analysed one): loading the same snapshot
     again costs a hash of its stream.
 

@@ -1,0 +1,91 @@
+"""The tests' one door into the package's private modules.
+
+Everything under ``zerocopy_pickle/_*`` is internal: it may move or change without notice, and only this file
+names it in an import, so a move changes this file and nothing else in the suite (``tests/test_api.py`` checks
+that no other test file imports a private module). Import from here what a test needs: a private module as a
+whole (``from tests.internals import arena``) or one of the names listed below. A new internal a test needs is
+added here, next to the others from its module. Subprocess scripts written as strings, ``monkeypatch`` targets
+and logger names still spell the private paths: they name them, they do not import them here.
+"""
+
+from __future__ import annotations
+
+from zerocopy_pickle import _cli as cli
+from zerocopy_pickle import _console as console
+from zerocopy_pickle._cli import main
+from zerocopy_pickle._console import NOISE, configure_logging, printable, quiet_third_party
+from zerocopy_pickle._core import loadcore, pickler, snapshot
+from zerocopy_pickle._core.loadcore import load_stream
+from zerocopy_pickle._demo import build_controlnet_pipeline
+from zerocopy_pickle._devices import device, transfer
+from zerocopy_pickle._devices.transfer import DIRECT_ALIGNMENT, Plan, SourceFile, plan, plan_reads, register_ranges
+from zerocopy_pickle._names import GlobalName
+from zerocopy_pickle._registry.discovery import resolve_name
+from zerocopy_pickle._storage import arena, format, integrity, progress, readahead, remote, sources
+from zerocopy_pickle._trust import restricted, safe_set, semantics, streamcheck
+from zerocopy_pickle._trust.restricted import (
+    AllowList,
+    format_global,
+    is_blocked,
+    safe_globals,
+    scan_stream,
+    spell_allow,
+)
+from zerocopy_pickle._trust.safe_set import (
+    NN_BUILTIN_VALUES,
+    safe_rebuild_memory_format,
+    safe_rebuild_wrapper_subclass,
+    safe_table,
+)
+from zerocopy_pickle._trust.streamcheck import DYNAMIC, MAX_MARKS, MAX_STACK, check_stream, walk_stream
+
+__all__ = [
+    "DIRECT_ALIGNMENT",
+    "DYNAMIC",
+    "MAX_MARKS",
+    "MAX_STACK",
+    "NN_BUILTIN_VALUES",
+    "NOISE",
+    "AllowList",
+    "GlobalName",
+    "Plan",
+    "SourceFile",
+    "arena",
+    "build_controlnet_pipeline",
+    "check_stream",
+    "cli",
+    "configure_logging",
+    "console",
+    "device",
+    "format",
+    "format_global",
+    "integrity",
+    "is_blocked",
+    "load_stream",
+    "loadcore",
+    "main",
+    "pickler",
+    "plan",
+    "plan_reads",
+    "printable",
+    "progress",
+    "quiet_third_party",
+    "readahead",
+    "register_ranges",
+    "remote",
+    "resolve_name",
+    "restricted",
+    "safe_globals",
+    "safe_rebuild_memory_format",
+    "safe_rebuild_wrapper_subclass",
+    "safe_set",
+    "safe_table",
+    "scan_stream",
+    "semantics",
+    "snapshot",
+    "sources",
+    "spell_allow",
+    "streamcheck",
+    "transfer",
+    "walk_stream",
+]

@@ -1,0 +1,6 @@
+"""The one mechanism: the pickler and unpickler sharing one set of reductions (``pickler``), the failing object's
+path after a failed dump (``locate``), the one load core every consumer calls (``loadcore``), and the public
+entry points ``zerocopy_pickle`` re-exports (``snapshot``).
+
+Layers inside (lowest first): ``locate`` | ``pickler`` < ``loadcore`` < ``snapshot``.
+"""
