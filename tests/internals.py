@@ -22,7 +22,7 @@ from zerocopy_pickle._devices.transfer import DIRECT_ALIGNMENT, Plan, SourceFile
 from zerocopy_pickle._names import GlobalName
 from zerocopy_pickle._registry.discovery import resolve_name
 from zerocopy_pickle._storage import arena, format, integrity, progress, readahead, remote, sources
-from zerocopy_pickle._trust import restricted, safe_set, semantics, streamcheck
+from zerocopy_pickle._trust import restricted, safe_set, safe_tensors, semantics, streamcheck
 from zerocopy_pickle._trust.restricted import (
     AllowList,
     format_global,
@@ -31,12 +31,8 @@ from zerocopy_pickle._trust.restricted import (
     scan_stream,
     spell_allow,
 )
-from zerocopy_pickle._trust.safe_set import (
-    NN_BUILTIN_VALUES,
-    safe_rebuild_memory_format,
-    safe_rebuild_wrapper_subclass,
-    safe_table,
-)
+from zerocopy_pickle._trust.safe_set import NN_BUILTIN_VALUES, safe_table
+from zerocopy_pickle._trust.safe_tensors import safe_rebuild_memory_format, safe_rebuild_wrapper_subclass
 from zerocopy_pickle._trust.streamcheck import DYNAMIC, MAX_MARKS, MAX_STACK, check_stream, walk_stream
 
 __all__ = [
@@ -80,6 +76,7 @@ __all__ = [
     "safe_rebuild_wrapper_subclass",
     "safe_set",
     "safe_table",
+    "safe_tensors",
     "scan_stream",
     "semantics",
     "snapshot",
