@@ -71,7 +71,8 @@ from typing import Any
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import readahead, transfer
+from zerocopy_pickle._devices import transfer
+from zerocopy_pickle._storage import readahead
 
 CHILD = r"""
 import json, sys, time

@@ -56,8 +56,8 @@ from typing import Any
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import arena, integrity
 from zerocopy_pickle._demo import build_model
+from zerocopy_pickle._storage import arena, integrity
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 2**20

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import native, semantics, streamcheck
+from zerocopy_pickle import native
+from zerocopy_pickle._trust import semantics, streamcheck
 
 
 def cpu_median(fn: Callable[[], object], repeat: int) -> float:

@@ -104,8 +104,8 @@ from typing import Any
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle import semantics
 from zerocopy_pickle._demo import build_model
+from zerocopy_pickle._trust import semantics
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = 4096

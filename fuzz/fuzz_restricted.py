@@ -39,14 +39,14 @@ with atheris.instrument_imports(include=["zerocopy_pickle", "zerocopy_pickle_qui
     import zerocopy_pickle_quirks.parametrize
     import zerocopy_pickle_quirks.runtime_objects  # noqa: F401
 
-    import zerocopy_pickle.device
-    import zerocopy_pickle.format
-    import zerocopy_pickle.integrity
-    import zerocopy_pickle.pickler
+    import zerocopy_pickle._core.pickler
+    import zerocopy_pickle._core.snapshot
+    import zerocopy_pickle._devices.device
+    import zerocopy_pickle._storage.format
+    import zerocopy_pickle._storage.integrity
+    import zerocopy_pickle._trust.restricted
+    import zerocopy_pickle._trust.streamcheck
     import zerocopy_pickle.rebuild
-    import zerocopy_pickle.restricted
-    import zerocopy_pickle.snapshot
-    import zerocopy_pickle.streamcheck
     import zerocopy_pickle.validate  # noqa: F401
 
 from tests.test_opcode_programs import make_target
