@@ -199,6 +199,25 @@ def test_a_dump_with_code_pickled_by_value_warns_with_its_path(tmp_path: Path) -
     assert isinstance(zp.load(tmp_path / "m.zcp", trusted=True), nn.Sequential)
 
 
+def test_code_reached_only_through_other_code_by_value_is_found_by_the_pickler_s_own_reduction() -> None:
+    """The warning's paths come from walking the graph with the pickler's own reduction (by value, as
+    cloudpickle reduces a function: its closure, globals, defaults), not with ``__reduce_ex__``, which knows
+    nothing of the function a closure holds."""
+
+    def helper(x: int) -> int:
+        return x + 1
+
+    def outer(y: int) -> int:
+        return helper(y)
+
+    with pytest.warns(zp.TrustedOnlyWarning) as caught:
+        zp.dumps({"hook": outer})
+    message = str(caught[0].message)
+    assert "obj['hook'] = function tests.test_refusal_advice." in message  # names are cut at 120 characters
+    assert re.search(r"obj\['hook'\]\.__closure__\[0\][^;=]* = function tests\.test_refusal_advice\.", message)
+    assert "somewhere in the graph" not in message
+
+
 def test_many_objects_by_value_are_counted_and_the_first_named() -> None:
     functions = {f"f{i}": (lambda i=i: i) for i in range(40)}
     with pytest.warns(zp.TrustedOnlyWarning, match=r"holds 40 function\(s\).*obj\['f0'\] = function.*and 24 more"):

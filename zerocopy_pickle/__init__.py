@@ -49,9 +49,9 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from ._core.dumping import BACKENDS
     from ._core.pickler import ZeroCopyPickler, ZeroCopyUnpickler
     from ._core.snapshot import (
-        BACKENDS,
         Snapshot,
         dump,
         dumps,
@@ -77,7 +77,8 @@ _LAZY = {
     "allow_function": "_trust.restricted",
     "ZeroCopyPickler": "_core.pickler",
     "ZeroCopyUnpickler": "_core.pickler",
-    **dict.fromkeys(("BACKENDS", "Snapshot", "dump", "dumps", "freeze", "load", "loads", "prefetch", "prefetches",
+    "BACKENDS": "_core.dumping",
+    **dict.fromkeys(("Snapshot", "dump", "dumps", "freeze", "load", "loads", "prefetch", "prefetches",
                      "read_header", "scan"), "_core.snapshot"),
     "Prefetch": "_storage.readahead",
     "to_device": "_devices.transfer",

@@ -1,6 +1,7 @@
 """The one mechanism: the pickler and unpickler sharing one set of reductions (``pickler``), the failing object's
-path after a failed dump (``locate``), the one load core every consumer calls (``loadcore``), and the public
-entry points ``zerocopy_pickle`` re-exports (``snapshot``).
+path after a failed dump (``locate``), a dump before it is written and its diagnosis (``dumping``), the one load
+core every consumer calls (``loadcore``), and the public entry points ``zerocopy_pickle`` re-exports
+(``snapshot``).
 
-Layers inside (lowest first): ``locate`` | ``pickler`` < ``loadcore`` < ``snapshot``.
+Layers inside (lowest first): ``locate`` | ``pickler`` < ``dumping`` | ``loadcore`` < ``snapshot``.
 """

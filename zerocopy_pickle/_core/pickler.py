@@ -359,6 +359,18 @@ class _Reductions:
 
         return reduce
 
+    def reduction(self, obj: Any) -> Any:
+        """What this pickler reduces ``obj`` to, asked in pickle's order: :meth:`reducer_override` (registered
+        reducers, NumPy values, functions and classes by value), then the dispatch table by exact type (tensors,
+        storages, memory formats, copyreg's), then ``obj.__reduce_ex__``. The dump's diagnosis walks a graph that
+        failed to pickle with it (:mod:`zerocopy_pickle._core.locate`), so there is one reduction, this one. What
+        reducing records (buffers, plugins used) lands in this pickler's state: ask a pickler made for asking."""
+        reduced = self.reducer_override(obj)
+        if reduced is NotImplemented:
+            reduce = self.dispatch_table.get(type(obj))
+            reduced = reduce(obj) if reduce is not None else obj.__reduce_ex__(PROTOCOL)
+        return reduced
+
     @property
     def pickled_by_value(self) -> tuple[list[object], int]:
         """The functions and classes this pickler pickled by value (the first
