@@ -176,3 +176,22 @@ def test_what_reports_make_the_server_hold_is_bounded(tmp_path: Path) -> None:
         assert store.status()["uncacheable"] == []
     finally:
         store.close()
+
+
+def test_the_reason_names_the_object_inside_code_pickled_by_value() -> None:
+    """The reason's path comes from walking the result with the entry pickler's own reduction: a function
+    pickled by value is looked into (its closure), so the socket it holds is named, not the function."""
+    import socket
+
+    from zerocopy_pickle.cache import entries, filing
+
+    with socket.socket() as held:
+
+        def fn() -> socket.socket:
+            return held
+
+        value = {"fn": fn, "ok": 1}
+        with pytest.raises(Exception) as failed:
+            entries.pickle_with_refs(value, [], in_band=False)
+        reason = filing._uncapturable_reason(value, [], failed.value)
+    assert "(the socket at result['fn'].__closure__[0]" in reason, reason

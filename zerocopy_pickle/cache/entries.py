@@ -21,7 +21,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import torch
 
@@ -123,6 +123,17 @@ class Pickled(NamedTuple):
     plugins: list[tuple[str, str]]
 
 
+def ref_pickler(
+    out: IO[bytes], refs: Sequence[object], callback: Callable[[pickle.PickleBuffer], bool] | None
+) -> RefPickler:
+    """The pickler of a cache entry: ``refs`` as references, plugins' reducers, by value where it must."""
+    pickler = RefPickler(out, refs, buffer_callback=callback, by_value=by_value())
+    # accelerate's disk-offloaded weights read into the entry, as zerocopy_pickle.dump does (offloaded="copy"):
+    # an entry that reads a folder breaks when the folder moves
+    pickler.dispatch_table.update(dump_reductions("copy"))
+    return pickler
+
+
 def pickle_with_refs(obj: Any, refs: Sequence[object], *, in_band: bool) -> Pickled:
     """Pickle ``obj`` with ``refs`` as references; with ``in_band``, tensor bytes stay in the stream (for small
     argument payloads and keys) and there are no out-of-band buffers.
@@ -139,10 +150,7 @@ def pickle_with_refs(obj: Any, refs: Sequence[object], *, in_band: bool) -> Pick
             views.append(buffer.raw())
             return False
 
-    pickler = RefPickler(out, refs, buffer_callback=callback, by_value=by_value())
-    # accelerate's disk-offloaded weights read into the entry, as zerocopy_pickle.dump does (offloaded="copy"):
-    # an entry that reads a folder breaks when the folder moves
-    pickler.dispatch_table.update(dump_reductions("copy"))
+    pickler = ref_pickler(out, refs, callback)
     pickler.dump(obj)
     pickler.clear_memo()
     return Pickled(out.getvalue(), views, pickler.buffer_specs, plugin_list(pickler.plugins_used))

@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import dataclasses
 import gc
+import io
 import logging
 import os
 import select
@@ -376,7 +377,9 @@ def _uncapturable_reason(value: Any, refs: Sequence[object], error: BaseExceptio
         return None
 
     try:
-        failure = locate.locate_failure(value, try_dump, root_name="result")
+        # walked with the entry pickler's own reduction (the one that failed), not __reduce_ex__
+        reduce = entries.ref_pickler(io.BytesIO(), refs, None).reduction
+        failure = locate.locate_failure(value, try_dump, root_name="result", reduce=reduce)
     except Exception:  # the search itself failed: the error stands without a path
         failure = None
     if failure is not None and failure.path != "result":
