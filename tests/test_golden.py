@@ -20,12 +20,17 @@ GOLDEN_V2_SHA256 = "61ca395554ab66c3483c6fa30e2ee0dd7560394ca716711a57fb4eb072ad
 GOLDEN_SHA256 = "293d9e7d063259e4107d2c3116226056c972bccbb03f855112716f021f4aaf9d"
 
 
-def golden_object() -> dict[str, Any]:
-    spec = importlib.util.spec_from_file_location("make_v1", GOLDEN.with_name("make_v1.py"))
+def _made_by(script: str) -> dict[str, Any]:
+    """The object a golden file's script (tests/golden/SCRIPT.py) writes, rebuilt to compare."""
+    spec = importlib.util.spec_from_file_location(script, GOLDEN.with_name(f"{script}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.golden_object()  # type: ignore[no-any-return]
+
+
+def golden_object() -> dict[str, Any]:
+    return _made_by("make_v1")
 
 
 def equal(a: Any, b: Any) -> bool:
@@ -103,11 +108,7 @@ BEFORE_MOVE_SHA256 = "a7c52e9eef2eb68af4b8fc0e120f51c0f5fe5f8ac45ef9fe3dd3fa25c0
 
 
 def before_move_object() -> dict[str, Any]:
-    spec = importlib.util.spec_from_file_location("make_before_move", GOLDEN.with_name("make_before_move.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.golden_object()  # type: ignore[no-any-return]
+    return _made_by("make_before_move")
 
 
 def test_the_snapshot_written_before_the_private_packages_is_unchanged() -> None:
