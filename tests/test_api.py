@@ -194,6 +194,21 @@ def test_internal_modules_are_private_by_name_and_only_public_modules_define_all
             assert docstring.startswith("Internal:"), f"{name} is not public, but its docstring does not say so"
 
 
+def test_the_wheel_lists_every_package_of_the_tree() -> None:
+    """pyproject.toml names the packages a wheel holds one by one; a folder of the tree it leaves out (a new wing)
+    would be missing from every non-editable install, though an editable one still imports it."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"zerocopy_pickle._csrc"}
+    for root, prefix in ((REPO / "zerocopy_pickle", "zerocopy_pickle"), (REPO / "quirks", "zerocopy_pickle_quirks")):
+        for init in root.rglob("__init__.py"):
+            parts = init.parent.relative_to(root).parts
+            if "__pycache__" not in parts:
+                folders.add(".".join((prefix, *parts)))
+    assert listed == folders
+
+
 def test_tests_import_private_modules_only_through_tests_internals() -> None:
     """tests/internals.py is the suite's one door into ``zerocopy_pickle._*``; no other test file imports one."""
     offenders = []
