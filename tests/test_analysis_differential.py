@@ -277,6 +277,7 @@ def many_keys_streams(draw: st.DrawFn) -> bytes:
     return PROTO + b"(" + b"".join(keys) + b"\x91."
 
 
+@pytest.mark.slow
 @SMALL
 @given(stream=many_keys_streams())
 def test_many_keys_agree(analyzer: Analyzer, stream: bytes) -> None:

@@ -182,6 +182,7 @@ else:
 """
 
 
+@pytest.mark.slow
 def test_file_size_limit_raises_oserror_and_keeps_the_old_snapshot(
     old_snapshot: tuple[Path, dict[str, torch.Tensor], str], write_mode: str
 ) -> None:
@@ -355,6 +356,7 @@ print("done", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_dump_killed_mid_write_leaves_the_old_snapshot_and_no_temporary_file(
     old_snapshot: tuple[Path, dict[str, torch.Tensor], str],
 ) -> None:
@@ -497,6 +499,7 @@ print("ok" if not bad and len(state) == 8 else f"bad {bad}", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_replacing_a_snapshot_keeps_another_process_load_valid(tmp_path: Path) -> None:
     path = tmp_path / "state.zcp"
     old = {f"layer{i}": torch.full((256 * 1024,), float(i)) for i in range(8)}

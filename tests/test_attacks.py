@@ -563,6 +563,7 @@ print("LEFT", left.decode())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("consumer", ["deque", "list"])
 def test_restricted_load_does_not_read_stdin(consumer: str, tmp_path: Path) -> None:
     """The runtime-objects quirk hands a stream ``sys.stdin``; ``deque``/``list`` (safe) iterate it, reading

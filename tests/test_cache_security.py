@@ -709,6 +709,7 @@ def test_the_nesting_count_agrees_with_a_reference_scanner() -> None:
         protocol._check_nesting("[" + nested + "]")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "item", ["{}", "[]", '"ab"', "0.5", "1e5", '{"a":0}', "123456789012", "[[[[[[[[]]]]]]]]", '"",1', "null"]
 )

@@ -322,6 +322,7 @@ def test_server_side_imports_no_torch() -> None:
     assert json.loads(proc.stdout.strip().replace("'", '"')) == []
 
 
+@pytest.mark.slow
 def test_the_loader_and_the_cache_command_import_nothing_above_them() -> None:
     """The loader needs neither the client nor the patching (no client -> loader -> patch -> client cycle), and
     ``python -m zerocopy_pickle.cache`` runs the cache's own commands, not the top-level CLI."""
@@ -498,6 +499,7 @@ def test_filing_never_thaws_what_a_program_froze_while_children_lived() -> None:
         gc.unfreeze()
 
 
+@pytest.mark.slow
 def test_cache_pickles_without_cloudpickle() -> None:
     """cloudpickle is optional (the ``cache`` extra brings it): without it, the cache's picklers pickle by
     reference, so a call's arguments and a model still pickle, and only what needs by-value pickling (a lambda)
@@ -524,6 +526,7 @@ def test_cache_pickles_without_cloudpickle() -> None:
     assert lines[1] in ("lambda: PicklingError", "lambda: AttributeError")
 
 
+@pytest.mark.slow
 def test_a_filing_childs_records_go_to_fill_log(tmp_path: Path) -> None:
     """A forked filing child writes its records to the runtime directory's fill.log, even though the library's
     only handler is a NullHandler and the caller's own handlers point at the caller's streams."""
@@ -645,6 +648,7 @@ def test_a_small_hit_is_prefaulted_before_it_is_unpickled_and_a_large_one_in_the
     assert _resident_bytes(off) == 0
 
 
+@pytest.mark.slow
 def test_arguments_without_code_pickle_without_cloudpickle_and_code_still_keys_by_value() -> None:
     """A call's arguments are pickled plainly unless they hold a function or a class (cloudpickle is not imported
     for a path and a dtype: 1.5-2 ms of a process's first hit); a lambda in them is pickled by value, so two

@@ -42,6 +42,7 @@ def snapshot(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_inspect_text(snapshot: Path) -> None:
     proc = run_cli("inspect", str(snapshot))
     assert proc.returncode == 0, proc.stderr
@@ -75,6 +76,7 @@ def test_inspect_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["inspect", str(tmp_path / "missing")]) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zipfile", [True, False], ids=["zip", "legacy"])
 def test_convert_torch_save(tmp_path: Path, zipfile: bool) -> None:
     state = {"a": torch.randn(3, 3), "b": torch.arange(4)}
@@ -645,6 +647,7 @@ def test_native_status_line_matches_the_library(capsys: pytest.CaptureFixture[st
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
@@ -672,6 +675,7 @@ def test_native_says_why(env: dict[str, str], expected: str, tmp_path: Path) -> 
     assert not (tmp_path / "cache").exists()  # asking never builds
 
 
+@pytest.mark.slow
 def test_native_reports_a_broken_cached_build(tmp_path: Path) -> None:
     code = """
     import sys

@@ -131,6 +131,7 @@ def test_the_peers_are_the_five_named_once_each() -> None:
     assert set(PROBE) == {peer.name for peer in peers.PEERS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", AVAILABLE or [pytest.param(None, id="no-peer-works-here")])
 def test_an_available_peer_loads_every_tensor_bit_for_bit(name: str | None, roundtrip: Any) -> None:
     if name is None:  # the bench extra is not installed: test_unavailable_peers_say_why checks every reason
@@ -158,6 +159,7 @@ def test_unavailable_peers_say_why() -> None:
             assert "not installed" in reason, reason
 
 
+@pytest.mark.slow
 def test_without_any_peer_package_every_peer_says_it_is_not_installed() -> None:
     """With every peer's package hidden (as without the bench extra) the module still imports, and every peer is
     unavailable: not installed, in one line."""

@@ -72,6 +72,7 @@ def built_path(site: Path, page: str) -> Path:
     return site / folder / "index.html"
 
 
+@pytest.mark.slow
 def test_site_builds_strict_with_every_page(site: Path) -> None:
     for page in nav_pages(config()["nav"]):
         assert built_path(site, page).is_file(), page

@@ -480,6 +480,7 @@ def test_memory_format_rebuild_refuses_other_names() -> None:
 # -- a Snapshot alive at interpreter exit closes quietly --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_snapshots_alive_at_interpreter_exit_close_quietly(tmp_path: pathlib.Path) -> None:
     from .conftest import run_python
 

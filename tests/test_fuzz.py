@@ -115,6 +115,7 @@ def snapshot() -> bytes:
     return zp.dumps({"w": torch.arange(100.0), "n": [1, 2, {"x": torch.ones(70_000, dtype=torch.uint8)}]})
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(data=st.data())
 def test_damaged_snapshots_raise_only_library_errors(data: st.DataObject) -> None:

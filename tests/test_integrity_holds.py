@@ -100,6 +100,7 @@ def test_brackets_inside_strings_are_not_nesting(text: str) -> None:
     assert zp.loads(edited)["s"] == "text"
 
 
+@pytest.mark.slow
 def test_inspect_reports_a_deep_header_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "deep.zcp"
     path.write_bytes(with_header(snapshot_bytes(), b"[" * DEEP + b"]" * DEEP))

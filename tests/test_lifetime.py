@@ -134,6 +134,7 @@ def test_file_changed_size_since_open(tmp_path: Path) -> None:
             snap.load()
 
 
+@pytest.mark.slow
 def test_closing_the_mmap_under_a_tensor_is_refused_not_a_crash() -> None:
     """Note [Arena lifetime]: the storage holds the mapping's buffer export."""
     code = """

@@ -108,6 +108,7 @@ def test_a_module_that_cannot_be_frozen_fails_at_send(registered: None) -> None:
         model.handle.close()
 
 
+@pytest.mark.slow
 def test_every_pool_worker_maps_the_same_pages_of_one_shared_model() -> None:
     model = build_model()
     shared = zmp.Shared(model)
@@ -134,6 +135,7 @@ def test_a_queue_and_a_process_pool_executor_carry_registered_modules(registered
     assert is_memfd(report) and report["output"] == expected(model)
 
 
+@pytest.mark.slow
 def test_a_shared_state_dict_is_one_memfd() -> None:
     state = build_model().state_dict()
     shared = zmp.Shared(state)

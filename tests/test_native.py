@@ -309,6 +309,7 @@ def test_no_crash_after_dropping_every_other_reference(
     assert out == ["refused", "8", "1000", str(sum(range(1000, 1 << 20))), "done"]
 
 
+@pytest.mark.slow
 def test_native_storages_alive_at_interpreter_exit(native_built: Path, tmp_path: Path) -> None:
     """Storages still alive when the interpreter shuts down (globals, a reference cycle, a daemon thread's
     frame) release or leak their exports quietly: no crash, no hang, no error output. The daemon thread says when
@@ -448,6 +449,7 @@ print(sum(issubclass(w.category, native.NativeWarning) for w in caught))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("value", "expected"),
     [("0", "python"), ("python", "python"), ("1", "native"), ("native", "native"), ("", "native"), ("auto", "native")],
@@ -457,6 +459,7 @@ def test_environment_variable_forces_the_backend(native_built: Path, value: str,
     assert out == [expected, "0"]
 
 
+@pytest.mark.slow
 def test_invalid_environment_value_fails_at_import() -> None:
     # The backend is chosen when the snapshot machinery is first imported (`import zerocopy_pickle` alone
     # imports no torch): `from zerocopy_pickle import load` is that moment.
@@ -465,6 +468,7 @@ def test_invalid_environment_value_fails_at_import() -> None:
     assert "ArgumentError" in proc.stderr and native.ENV in proc.stderr
 
 
+@pytest.mark.slow
 def test_auto_uses_only_a_cached_build_and_never_compiles(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     code = """
@@ -521,6 +525,7 @@ def test_the_source_ships_where_the_package_finds_it() -> None:
     assert "PYBIND11_MODULE" in native._SOURCE.read_text()
 
 
+@pytest.mark.slow
 def test_a_broken_cached_build_falls_back_with_one_warning(tmp_path: Path) -> None:
     code = """
     import json, warnings
@@ -546,6 +551,7 @@ def test_a_broken_cached_build_falls_back_with_one_warning(tmp_path: Path) -> No
     assert "could not be loaded" in message and "Python implementations" in message
 
 
+@pytest.mark.slow
 def test_forced_native_without_a_compiler_fails_at_import_with_our_error(tmp_path: Path) -> None:
     code = """
     try:

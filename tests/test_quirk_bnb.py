@@ -441,6 +441,7 @@ def gpt2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", ["4bit-nf4-double", "4bit-fp4", "8bit"])
 def test_transformers_quantized_model(tmp_path: Path, gpt2_checkpoint: Path, bits: str) -> None:
     from transformers import BitsAndBytesConfig, GPT2LMHeadModel

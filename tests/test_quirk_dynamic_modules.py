@@ -182,6 +182,7 @@ def test_diffusers_custom_pipeline_loads_in_a_fresh_interpreter(dumped: Dumped, 
     assert proc.stdout.strip() == "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("snapshot", ["model.zcp", "pipe.zcp"])
 def test_without_the_plugin_the_load_fails_naming_it(dumped: Dumped, snapshot: str) -> None:
     env = {"HF_HOME": str(dumped.hf_home), "ZEROCOPY_PICKLE_DISABLE_PLUGINS": "dynamic-modules"}
@@ -198,6 +199,7 @@ def test_without_the_plugin_the_load_fails_naming_it(dumped: Dumped, snapshot: s
     assert "ZEROCOPY_PICKLE_DISABLE_PLUGINS disables" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_cache_without_the_module_fails_naming_the_cache(dumped: Dumped, tmp_path: Path) -> None:
     empty = tmp_path / "empty-cache"
     code = """

@@ -445,6 +445,7 @@ class TestRuntimeObjectsConformance(ReducerConformance):
     def env(self) -> dict[str, str]:
         return {"PYTHONPATH": str(REPO)}
 
+    @pytest.mark.slow
     def test_fresh_interpreter_load(self, tmp_path: Path) -> None:
         # The suite's fresh interpreter compares with zerocopy_pickle.testing.assert_same, which cannot compare
         # two distinct locks: run the same check, comparing with this module's assert_runtime_same.
@@ -479,6 +480,7 @@ class Reduce:
         return self.func, self.args
 
 
+@pytest.mark.slow
 def test_restricted_load_never_touches_stdin() -> None:
     """A stream naming the process's stdin (to read it, or block on it) is refused before anything reads it; the
     child's stdin is a pipe holding data, which must be intact afterwards."""

@@ -94,6 +94,7 @@ class TestStableFastConformance(ReducerConformance):
         with pytest.raises(zp.RestrictedLoadError, match="rebuild_script_module"):
             zp.loads(zp.dumps(self.make_objects()))
 
+    @pytest.mark.slow
     def test_fresh_interpreter_load(self, tmp_path: Path) -> None:
         path = tmp_path / "fresh.zcp"
         zp.dump(self.make_objects(), path)

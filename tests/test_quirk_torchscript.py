@@ -162,6 +162,7 @@ class TestTorchScriptConformance(ReducerConformance):
         callable_rebuilds = [zp.allow_function(REBUILD_MODULE), zp.allow_function(REBUILD_FUNCTION)]
         self.assert_same(self.make_objects(), zp.loads(data, allow=callable_rebuilds))
 
+    @pytest.mark.slow
     def test_fresh_interpreter_load(self, tmp_path: Path) -> None:
         path = tmp_path / "fresh.zcp"
         zp.dump(self.make_objects(), path)

@@ -80,6 +80,7 @@ def private_store_view(report: dict[str, Any]) -> bool:
     return "plasma" in report["mapping"]["path"]
 
 
+@pytest.mark.slow
 def test_a_frozen_graph_round_trips_through_the_store_as_copy_on_write_views(cluster: None) -> None:
     model = big_model()
     got = ray.get(ray.put(zray.Frozen(model)))

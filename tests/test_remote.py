@@ -269,6 +269,7 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     moto.stop()
 
 
+@pytest.mark.slow
 def test_dump_to_s3_and_load_back(s3: dict[str, Any], remote_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     downloads: list[str] = []
     real = remote._download

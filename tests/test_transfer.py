@@ -253,6 +253,7 @@ def test_plan_splits_a_storage_larger_than_a_chunk() -> None:
     covered_exactly_once(layout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(40))
 def test_plan_covers_every_byte_once_with_chunks_of_at_most_the_limit(seed: int) -> None:
     rng = random.Random(seed)

@@ -111,6 +111,7 @@ def test_any_layout_arrives_bit_for_bit(disk: Path, items: list[tuple[int, int]]
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     items=st.lists(st.tuples(st.integers(0, 10000), st.integers(0, 30000)), min_size=1, max_size=40),

@@ -235,6 +235,7 @@ def test_loaded_tensors_keep_the_mapping_alive(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_writing_a_loaded_tensor_changes_neither_the_file_nor_other_loads(tmp_path: Path) -> None:
     path = tmp_path / "state.zcp"
     state = sample_state()
