@@ -9,14 +9,14 @@ Run it from the repository root (it needs ~4 GB of disk for the models, ~20 GiB 
 
 The models are built here with the library defaults of diffusers, random weights, saved in float16 (about
 3.6 GB): ``UNet2DConditionModel()`` and a pipeline around it with the SD 1.x VAE and a ViT-L text encoder, and
-two ``ControlNetModel.from_unet`` (``zerocopy_pickle._demo.build_controlnet_pipeline(size="sd15")``). With
+two ``ControlNetModel.from_unet`` (``examples.models.build_controlnet_pipeline(size="sd15")``). With
 ``--models DIR`` they are built once into DIR and reused by later runs.
 
 Each run is a fresh process, as a user's program is, timed from after its imports
-(``zerocopy_pickle.cache.scenario``): load the VAE, two ControlNets, then the pipeline with ``vae=vae`` (variant
+(``examples/cache_scenario.py``): load the VAE, two ControlNets, then the pipeline with ``vae=vae`` (variant
 ``vae``) or also ``controlnet=MultiControlNetModel([edge, depth])`` (variant ``wrapper``), or as ``vae`` followed by
 a transformers model with its own code, ``AutoModel.from_pretrained(..., trust_remote_code=True)`` (variant
-``remote``, ``zerocopy_pickle._demo.build_remote_code_model``: about 0.3 GB in float16); then touch one byte of
+``remote``, ``examples.models.build_remote_code_model``: about 0.3 GB in float16); then touch one byte of
 every 4 KiB page of every weight once. The plain runs go first, so the model files are in the page cache for
 everybody. Then, per variant, one run with no server running in a fresh cache directory (``autostart``: the first
 call of the day, where ``patch_all()`` starts a server; that server is stopped after the run). The cache runs of
@@ -52,8 +52,9 @@ from typing import Any
 from cache_miss import neighbour
 from overmind_runner import Overmind, OvermindUnavailable
 
-from zerocopy_pickle._demo import build_controlnet_pipeline
-from zerocopy_pickle.cache.scenario import SMALL_STEPS, STEPS, measure, print_table
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's root, where examples/ is
+from examples.cache_scenario import SMALL_STEPS, STEPS, measure, print_table
+from examples.models import build_controlnet_pipeline
 
 Results = dict[str, list[dict[str, Any]]]
 VARIANTS = ("vae", "wrapper", "remote", "small")

@@ -4,7 +4,7 @@ Run it from the repository root on a quiet machine, on models ``benchmarks/cache
 
     .venv/bin/python -W ignore benchmarks/cache_first_call.py --models /work/sd15 --variant vae --rounds 4
 
-Each round, each a fresh process (``zerocopy_pickle.cache.scenario``): a plain run; a run with ``patch_all()`` and
+Each round, each a fresh process (``examples/cache_scenario.py``): a plain run; a run with ``patch_all()`` and
 no server in a fresh cache directory (it starts one in the background and loads the calls itself); a hit against
 that server, which is then stopped; a miss against a fresh server started and ready beforehand. Prints the load
 of the four steps and the total (load and the touch of every page) per run, the medians, and each first call's
@@ -23,7 +23,8 @@ from pathlib import Path
 
 from cache import _paths  # benchmarks/ is sys.path[0] when run as a script
 
-from zerocopy_pickle.cache import scenario
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's root, where examples/ is
+from examples import cache_scenario as scenario
 from zerocopy_pickle.cache.protocol import DIR_ENV
 
 

@@ -32,7 +32,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from zerocopy_pickle.cache import scenario
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's root, where examples/ is
+from examples import cache_scenario as scenario
 from zerocopy_pickle.cache.client import Client
 from zerocopy_pickle.cache.messages import Clear
 from zerocopy_pickle.cache.protocol import DIR_ENV

@@ -6,7 +6,7 @@ Run it from the repository root on a quiet machine, on models ``benchmarks/cache
     .venv/bin/python -W ignore benchmarks/cache_touch.py --models /work/sd15 --variant vae --rounds 4
     .venv/bin/python -W ignore benchmarks/cache_touch.py --models /work/sd15 --copy-files   # entries in memfds only
 
-Each run is a fresh process running the seed scenario's steps (``zerocopy_pickle.cache.scenario``); the touch (one
+Each run is a fresh process running the seed scenario's steps (``examples/cache_scenario.py``); the touch (one
 byte of every 4 KiB page of every weight) is wrapped to count the process's minor page faults during it and the
 mappings it reads through (``/proc/self/maps``: memfds, and ``.safetensors`` checkpoint files). One server,
 started and ready beforehand (with ``--copy-files``: ``serve --copy-files``, every byte copied into memfds); a
@@ -28,12 +28,14 @@ from typing import Any
 
 from cache import _paths  # benchmarks/ is sys.path[0] when run as a script
 
-from zerocopy_pickle.cache import scenario
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's root, where examples/ is
+from examples import cache_scenario as scenario
+from examples import importable
 
 RUN = """
 import json, resource, sys, warnings
 warnings.simplefilter("ignore")
-from zerocopy_pickle.cache import scenario
+from examples import cache_scenario as scenario
 
 counted = {}
 touch = scenario._touch
@@ -54,7 +56,7 @@ print(json.dumps({**times, **counted}))
 
 
 def _run(env: dict[str, str], mode: str, variant: str, paths: dict[str, str], dtype: str) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-c", RUN, mode, variant, json.dumps(paths), dtype], env=env,
+    proc = subprocess.run([sys.executable, "-c", RUN, mode, variant, json.dumps(paths), dtype], env=importable(env),
                           capture_output=True, text=True, check=False, timeout=3600)  # fmt: skip
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:

@@ -14,7 +14,7 @@ Cases (``--cases``, default ``llm,many``):
 * ``many``: 1000 float32 tensors of 2 MiB (2000 MiB);
 * ``sd15``: the SD1.5-sized ControlNet pipeline of ``benchmarks/cache.py`` (``--models DIR``, built there once) through
   the model cache, the seed scenario's ``vae`` variant in float16, each run a fresh process
-  (``zerocopy_pickle.cache.scenario``): plain ``from_pretrained`` after the page cache was dropped, against a cache
+  (``examples/cache_scenario.py``): plain ``from_pretrained`` after the page cache was dropped, against a cache
   miss (a fresh server, started and ready, then the page cache dropped) and a hit of that server after the page
   cache was dropped again.
 
@@ -341,8 +341,9 @@ def cache_case(models: Path, reps: int, whole: bool) -> dict[str, list[dict[str,
     sys.path.insert(0, str(HERE))
     from cache import _paths
 
-    from zerocopy_pickle._demo import build_controlnet_pipeline
-    from zerocopy_pickle.cache import scenario
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's root, where examples/ is
+    from examples import cache_scenario as scenario
+    from examples.models import build_controlnet_pipeline
 
     if not (models / "pipeline").exists():
         build_controlnet_pipeline(models, size="sd15")

@@ -9,7 +9,7 @@ Needs a CUDA device. Run it from the repository root (benchmarks/device_check.sh
 
 Part 1, in this process, from one snapshot file in the page cache (read once before): the graph is the
 pipeline's modules (``--models``: the UNet, both ControlNets, VAE and text encoder in float16, built with
-``zerocopy_pickle._demo.build_controlnet_pipeline(size="sd15")`` when DIR is empty) or ``--synthetic GB`` of
+``examples.models.build_controlnet_pipeline(size="sd15")`` when DIR is empty) or ``--synthetic GB`` of
 float16 linear layers. Each way is timed ``--repeat`` times after ``torch.cuda.empty_cache()`` (so every
 way pays its device allocations), to the end of ``torch.cuda.synchronize()``:
 
@@ -112,7 +112,8 @@ def _graph(args: argparse.Namespace) -> dict[str, Any]:
         return {"layers": torch.nn.ModuleList(torch.nn.Linear(width, width).half() for _ in range(count))}
     from diffusers import AutoencoderKL, ControlNetModel, StableDiffusionControlNetPipeline
 
-    from zerocopy_pickle._demo import build_controlnet_pipeline
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's root, where examples/ is
+    from examples.models import build_controlnet_pipeline
 
     root = Path(args.models)
     if not (root / "pipeline").exists():
@@ -296,7 +297,8 @@ def _child(env: dict[str, str], mode: str, paths: dict[str, str]) -> dict[str, f
 
 
 def part2(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
-    from zerocopy_pickle.cache import scenario
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's root, where examples/ is
+    from examples import cache_scenario as scenario
 
     root = Path(args.models)
     paths = {"pipeline": str(root / "pipeline"), "edge": str(root / "controlnet-edge"),

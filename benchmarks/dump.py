@@ -11,7 +11,7 @@ Workloads (the same tensors for every method):
 
 * ``state``: a state dict of about ``--mib`` MiB in ``--tensors`` tensors, float32 and float16 alternating, of
   sizes spread evenly between 0.5x and 1.5x the mean (1000 tensors of 2 MiB on average by default).
-* ``model``: the state dict of the GPT-style model of ``zerocopy_pickle._demo.build_model(size_mb=--model-mb)``,
+* ``model``: the state dict of the GPT-style model of ``examples.models.build_model(size_mb=--model-mb)``,
   without the tied output head (safetensors refuses tensors that share memory; every method gets the same dict).
 
 Methods, each writing a new file in a directory on the file system of ``--dir``:
@@ -56,7 +56,9 @@ from typing import Any
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle._demo import build_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's root, where examples/ is
+from examples.models import build_model
 from zerocopy_pickle._storage import arena, integrity
 
 REPO = Path(__file__).resolve().parent.parent

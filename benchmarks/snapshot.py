@@ -9,7 +9,7 @@ Run it from the repository root::
 Workloads (each measured with every method that can handle it):
 
 * ``tensors``: a state dict of ``--tensors`` float32 tensors of ``--tensor-mb`` MiB each (default 1000 x 2 MiB).
-* ``model-state``: the state dict of a GPT-style transformer built locally (``zerocopy_pickle._demo.build_model``,
+* ``model-state``: the state dict of a GPT-style transformer built locally (``examples.models.build_model``,
   about ``--model-mb`` MiB of float32 weights) whose output head is tied to its embedding.
 * ``model-module``: the same model as a whole ``nn.Module``. Loads are restricted everywhere: torch.load with
   ``weights_only=True`` inside ``torch.serialization.safe_globals(...)``, zerocopy_pickle with ``allow=`` (both
@@ -104,7 +104,9 @@ from typing import Any
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle._demo import build_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's root, where examples/ is
+from examples.models import build_model
 from zerocopy_pickle._trust import semantics
 
 REPO = Path(__file__).resolve().parent.parent

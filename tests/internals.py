@@ -16,7 +16,6 @@ from zerocopy_pickle._cli import main
 from zerocopy_pickle._console import NOISE, configure_logging, printable, quiet_third_party
 from zerocopy_pickle._core import loadcore, pickler, snapshot
 from zerocopy_pickle._core.loadcore import load_stream
-from zerocopy_pickle._demo import build_controlnet_pipeline
 from zerocopy_pickle._devices import device, transfer
 from zerocopy_pickle._devices.transfer import DIRECT_ALIGNMENT, Plan, SourceFile, plan, plan_reads, register_ranges
 from zerocopy_pickle._names import GlobalName
@@ -47,7 +46,6 @@ __all__ = [
     "Plan",
     "SourceFile",
     "arena",
-    "build_controlnet_pipeline",
     "check_stream",
     "cli",
     "configure_logging",

@@ -21,7 +21,7 @@ from unittest.mock import ANY
 import pytest
 import torch
 
-from tests.internals import build_controlnet_pipeline
+from examples.models import build_controlnet_pipeline
 from zerocopy_pickle.cache import protocol
 from zerocopy_pickle.cache.server import Server
 

@@ -20,8 +20,9 @@ from types import ModuleType
 
 import pytest
 
-from tests.internals import build_controlnet_pipeline
-from zerocopy_pickle.cache import scenario
+from examples import cache_scenario as scenario
+from examples import importable
+from examples.models import build_controlnet_pipeline
 from zerocopy_pickle.cache.protocol import DIR_ENV
 
 from .conftest import REPO
@@ -72,8 +73,8 @@ def test_autostart_run_starts_a_server_and_stops_it(
 
 def test_overmind_runner_plain_run_has_the_scenario_shape(models: dict[str, str]) -> None:
     ours = subprocess.run(
-        [sys.executable, "-m", "zerocopy_pickle.cache.scenario", "plain", "wrapper", json.dumps(models), "float32"],
-        capture_output=True, text=True, check=True, timeout=600,
+        [sys.executable, "-m", "examples.cache_scenario", "plain", "wrapper", json.dumps(models), "float32"],
+        env=importable(dict(os.environ)), capture_output=True, text=True, check=True, timeout=600,
     )  # fmt: skip
     theirs = subprocess.run(
         [sys.executable, str(RUNNER), "run", "plain", "wrapper", json.dumps(models), "float32"],

@@ -31,6 +31,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ._console import printable
@@ -407,14 +408,31 @@ def _native(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _examples_checkout() -> Path | None:
+    """The source checkout this library is imported from, if it has the ``examples/`` the demos live in (an
+    editable install of a clone); None for an installed wheel, which ships no examples."""
+    root = Path(__file__).resolve().parent.parent
+    return root if (root / "examples" / "__init__.py").is_file() else None
+
+
 def _demo(args: argparse.Namespace) -> int:
+    root = _examples_checkout()
+    if root is None:
+        print(
+            "zerocopy-pickle demo: the demos are the examples/ of a source checkout, which an installed package "
+            "does not include; run it from a clone: git clone https://github.com/zerocopy-pickle/zerocopy-pickle "
+            "&& cd zerocopy-pickle && make demo",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    sys.path.insert(0, str(root))  # first: a package of another project named "examples" must not answer
     if args.snapshot:
-        from . import _demo as demo
+        from examples import snapshot_demo
 
-        return demo.run(size_mb=args.size_mb, repeat=args.repeat, directory=args.dir)
-    from .cache.scenario import run_demo
+        return snapshot_demo.run(size_mb=args.size_mb, repeat=args.repeat, directory=args.dir)
+    from examples import cache_scenario
 
-    return run_demo(size=args.size, runs=args.repeat, directory=args.dir)
+    return cache_scenario.run_demo(size=args.size, runs=args.repeat, directory=args.dir)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Internal: the seed scenario, timed: load a VAE, two ControlNets, then the pipeline with ``vae=vae`` (and, in the
+"""The seed scenario, timed: load a VAE, two ControlNets, then the pipeline with ``vae=vae`` (and, in the
 ``wrapper`` variant, ``controlnet=MultiControlNetModel([edge, depth])``; in the ``remote`` variant, then a
 transformers model with its own code, ``AutoModel.from_pretrained(..., trust_remote_code=True)``), plain and
 through the cache.
@@ -8,7 +8,7 @@ Every run is a fresh process (as a user's program is), timed from after its impo
 touches every page of every weight once, because a zero-copy load defers page faults to first use and a fair
 total includes them.
 
-    python -m zerocopy_pickle.cache.scenario plain|cache|autostart vae|wrapper|remote|small PATHS_JSON DTYPE
+    python -m examples.cache_scenario plain|cache|autostart vae|wrapper|remote|small PATHS_JSON DTYPE
 
 ``small`` is another scenario on the same footing: a tiny LLaMA, a tiny GPT-2 and a small VAE (about 1 MB each),
 where a cache's fixed cost per call shows.
@@ -34,9 +34,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .messages import StatusReply, StatusRequest, Stop
-from .protocol import DIR_ENV, CacheError
-from .transport import Client
+from zerocopy_pickle._console import quiet_third_party
+from zerocopy_pickle.cache import CacheError, Client
+from zerocopy_pickle.cache.messages import StatusReply, StatusRequest, Stop
+from zerocopy_pickle.cache.protocol import DIR_ENV
+
+from . import importable
+from .models import build_controlnet_pipeline
 
 STEPS = ("vae", "edge", "depth", "pipeline")
 REMOTE_STEP = "remote"  # the remote variant's fifth step: the model whose classes live in transformers_modules
@@ -71,7 +75,7 @@ def _run_steps(mode: str, variant: str, paths: dict[str, str], dtype_name: str) 
     import torch
 
     if mode in ("cache", "autostart"):  # autostart: no server runs yet, the first patched call starts one
-        from . import patch_all
+        from zerocopy_pickle.cache import patch_all
 
         patch_all(autostart=mode == "autostart")
     elif mode != "plain":
@@ -167,8 +171,8 @@ def _run_process(
     # TQDM_DISABLE: no progress bars from diffusers' and transformers' loads in the run's stderr, which is shown
     # only if the run fails. tqdm reads it when imported, before the run could set it itself (torch imports it).
     return subprocess.run(
-        [sys.executable, "-m", "zerocopy_pickle.cache.scenario", mode, variant, json.dumps(paths), dtype],
-        env={**env, "TQDM_DISABLE": "1"}, capture_output=True, text=True, check=False, timeout=3600,
+        [sys.executable, "-m", "examples.cache_scenario", mode, variant, json.dumps(paths), dtype],
+        env=importable({**env, "TQDM_DISABLE": "1"}), capture_output=True, text=True, check=False, timeout=3600,
     )  # fmt: skip
 
 
@@ -309,8 +313,6 @@ def print_table(results: dict[str, list[dict[str, Any]]]) -> None:
 
 def run_demo(size: str = "tiny", runs: int = 3, directory: str | None = None) -> int:
     """``zerocopy-pickle demo``: build the pipeline, run the scenario plain and cached, print the tables."""
-    from .._console import quiet_third_party
-    from .._demo import build_controlnet_pipeline
 
     quiet_third_party()  # the build imports diffusers and transformers here; the runs below do in their children
 
@@ -330,8 +332,6 @@ def run_demo(size: str = "tiny", runs: int = 3, directory: str | None = None) ->
 
 if __name__ == "__main__":
     import warnings
-
-    from .._console import quiet_third_party
 
     # The parent reads this process's stdout for the result line and shows its stderr only if the run fails:
     # keep that stderr to what can explain a failure (and _one_run turns the progress bars off).
