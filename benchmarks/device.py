@@ -32,7 +32,7 @@ every run (``fsync`` and ``POSIX_FADV_DONTNEED``, which needs no root; as root a
 * ``cold load, mapping``: ``zp.load(map_location="cuda:0")`` copying from the mapping (``COLD_BELOW = 0``: the
   path before cold reads);
 * ``cold load, file reads``: the same load with the default ``COLD_BELOW``: the file read straight into the
-  pinned slots by ``transfer.READERS`` threads (``O_DIRECT`` where aligned);
+  pinned slots by ``coldread.READERS`` threads (``O_DIRECT`` where aligned);
 * ``cold move, file reads``: ``transfer.move`` of the zero-copy load's storages given the file directly: the
   cold transfer alone, whether or not the load passes its file;
 * ``warm load, file reads``: the file reads forced on a warm page cache (``COLD_BELOW = 2``; every chunk is
@@ -71,7 +71,8 @@ from typing import Any
 import torch
 
 import zerocopy_pickle as zp
-from zerocopy_pickle._devices import transfer
+from zerocopy_pickle._devices import coldread, transfer
+from zerocopy_pickle._devices.plan import SourceFile
 from zerocopy_pickle._storage import readahead
 
 CHILD = r"""
@@ -234,12 +235,12 @@ def part3(path: Path, repeat: int) -> dict[str, Any]:
         results["skipped"] = f"{path} stays in the page cache after eviction (tmpfs?): pass --scratch on a disk"
         return results
 
-    def timed(name: str, run: Callable[[], Any], below: float = transfer.COLD_BELOW, cold: bool = True) -> None:
+    def timed(name: str, run: Callable[[], Any], below: float = coldread.COLD_BELOW, cold: bool = True) -> None:
         times = []
-        default = transfer.COLD_BELOW
+        default = coldread.COLD_BELOW
         before = dict(transfer.STATS)
         try:
-            transfer.COLD_BELOW = below
+            coldread.COLD_BELOW = below
             for _ in range(repeat):
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
@@ -251,7 +252,7 @@ def part3(path: Path, repeat: int) -> dict[str, Any]:
                 times.append(time.perf_counter() - start)
                 del result
         finally:
-            transfer.COLD_BELOW = default
+            coldread.COLD_BELOW = default
         results["ways"][name] = times
         results["paths"][name] = {k: v - before.get(k, 0) for k, v in transfer.STATS.items() if v != before.get(k, 0)}
 
@@ -267,7 +268,7 @@ def part3(path: Path, repeat: int) -> dict[str, Any]:
     header = zp.read_header(path)
     first = min(header.buffer_range(i)[0] for i, entry in enumerate(header.buffers) if entry.dtype is not None)
     low = min(s.data_ptr() for s in storages)
-    source = transfer.SourceFile(-1, tuple(s.data_ptr() - low + first for s in storages))
+    source = SourceFile(-1, tuple(s.data_ptr() - low + first for s in storages))
     with open(path, "rb") as f:  # the offsets are right: the file's bytes are the storages' bytes
         for storage, offset in list(zip(storages, source.offsets, strict=True))[:: max(1, len(storages) // 8)]:
             n = min(storage.nbytes(), 4096)
@@ -350,7 +351,7 @@ def report(results: dict[str, Any]) -> None:
         print(f"  cold file reads / cold mapping: {reads / mapping:.2f}x")
         print(f"  cold file reads / cold per-storage: {reads / cold['cold per-storage']:.2f}x")
         warm = cold["warm load, file reads"] / rates["zerocopy load"]
-        print(f"  warm file reads / warm zerocopy load: {warm:.2f} (above 1: raise transfer.COLD_BELOW)")
+        print(f"  warm file reads / warm zerocopy load: {warm:.2f} (above 1: raise coldread.COLD_BELOW)")
     two = results.get("part2")
     if two:
         print("fresh processes, VAE + two ControlNets + pipeline, then on the GPU; seconds (load, to cuda, total)")

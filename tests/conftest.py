@@ -227,8 +227,8 @@ def example_plugins(tmp_path: Path) -> Iterator[InstalledPlugins]:
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Make "cuda:N" a fake bulk-transfer device (tests/test_transfer.py's ``FakeBackend``, which records every
     call); returns the backends made, one per transfer."""
+    from tests.internals import backend
     from tests.internals import device as devices
-    from tests.internals import transfer
 
     from .test_transfer import FakeBackend
 
@@ -238,7 +238,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         made.append(FakeBackend())
         return made[-1]
 
-    monkeypatch.setitem(transfer._BACKENDS, "cuda", factory)
+    monkeypatch.setitem(backend._BACKENDS, "cuda", factory)
     real = devices._require
     monkeypatch.setattr(devices, "_require", lambda d, hint: None if d.type == "cuda" else real(d, hint))
     return made

@@ -16,8 +16,18 @@ from zerocopy_pickle._cli import main
 from zerocopy_pickle._console import NOISE, configure_logging, printable, quiet_third_party
 from zerocopy_pickle._core import loadcore, pickler, snapshot
 from zerocopy_pickle._core.loadcore import load_stream
-from zerocopy_pickle._devices import device, transfer
-from zerocopy_pickle._devices.transfer import DIRECT_ALIGNMENT, Plan, SourceFile, plan, plan_reads, register_ranges
+from zerocopy_pickle._devices import backend, coldread, device, transfer
+from zerocopy_pickle._devices.plan import (
+    DEVICE_ALIGNMENT,
+    DIRECT_ALIGNMENT,
+    PAGE,
+    SLOTS,
+    Plan,
+    SourceFile,
+    plan,
+    plan_reads,
+    register_ranges,
+)
 from zerocopy_pickle._names import GlobalName
 from zerocopy_pickle._registry.discovery import resolve_name
 from zerocopy_pickle._storage import arena, format, integrity, progress, readahead, remote, sources
@@ -35,19 +45,24 @@ from zerocopy_pickle._trust.safe_tensors import safe_rebuild_memory_format, safe
 from zerocopy_pickle._trust.streamcheck import DYNAMIC, MAX_MARKS, MAX_STACK, check_stream, walk_stream
 
 __all__ = [
+    "DEVICE_ALIGNMENT",
     "DIRECT_ALIGNMENT",
     "DYNAMIC",
     "MAX_MARKS",
     "MAX_STACK",
     "NN_BUILTIN_VALUES",
     "NOISE",
+    "PAGE",
+    "SLOTS",
     "AllowList",
     "GlobalName",
     "Plan",
     "SourceFile",
     "arena",
+    "backend",
     "check_stream",
     "cli",
+    "coldread",
     "configure_logging",
     "console",
     "device",

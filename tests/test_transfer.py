@@ -26,7 +26,19 @@ import torch
 from torch import nn
 
 import zerocopy_pickle as zp
-from tests.internals import Plan, plan, readahead, register_ranges, transfer
+from tests.internals import (
+    DEVICE_ALIGNMENT,
+    PAGE,
+    SLOTS,
+    Plan,
+    SourceFile,
+    backend,
+    coldread,
+    plan,
+    readahead,
+    register_ranges,
+    transfer,
+)
 from tests.internals import device as devices
 
 from .conftest import REPO, header_of
@@ -72,8 +84,8 @@ class FakeBackend:
     def pinned(self, nbytes: int) -> torch.Tensor:
         self.log.append(("pinned", nbytes))
         # Page-aligned, as cudaHostAlloc's buffers are (a cold read reads into them with O_DIRECT).
-        block = torch.zeros(nbytes + transfer.PAGE, dtype=torch.uint8)
-        skew = -block.data_ptr() % transfer.PAGE
+        block = torch.zeros(nbytes + PAGE, dtype=torch.uint8)
+        skew = -block.data_ptr() % PAGE
         return block[skew : skew + nbytes]
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -102,7 +114,7 @@ class FakeBackend:
         self.log.append(("register", address, nbytes))
         if self.refuse_registration:
             return False
-        assert address % transfer.PAGE == 0 and nbytes % transfer.PAGE == 0
+        assert address % PAGE == 0 and nbytes % PAGE == 0
         self.registered[address] = nbytes
         return True
 
@@ -184,7 +196,7 @@ class Layout:
         try:
             return transfer.move(
                 self.storages(), torch.device("cuda:0"), backend=fake, chunk_bytes=chunk_bytes,
-                source=transfer.SourceFile(fd, tuple(self.offsets)), **kwargs,
+                source=SourceFile(fd, tuple(self.offsets)), **kwargs,
             )  # fmt: skip
         finally:
             os.close(fd)
@@ -198,7 +210,7 @@ def raw(storage: torch.UntypedStorage) -> bytes:
 def direct_io_works(path: Path) -> bool:
     fd = os.open(path, os.O_RDONLY)
     try:
-        direct = transfer._open_direct(fd)
+        direct = coldread._open_direct(fd)
         if direct is not None:
             os.close(direct)
         return direct is not None
@@ -238,7 +250,7 @@ def test_plan_aligns_every_storage_and_packs_them_in_order() -> None:
     layout = plan([10, 0, 512, 1, 1000], chunk_bytes=1 << 20)
     assert layout.offsets == (0, 10, 512, 1024, 1536)
     assert layout.total == 2536
-    assert [o % transfer.DEVICE_ALIGNMENT for o, n in zip(layout.offsets, layout.sizes, strict=True) if n] == [0] * 4
+    assert [o % DEVICE_ALIGNMENT for o, n in zip(layout.offsets, layout.sizes, strict=True) if n] == [0] * 4
     assert len(layout.chunks) == 1 and layout.chunks[0].offset == 0 and layout.chunks[0].nbytes == 2536
     covered_exactly_once(layout)
 
@@ -309,9 +321,9 @@ def test_staged_transfer_delivers_every_byte_through_reused_slots(seed: int) -> 
         return
     layout = plan([s.nbytes() for s in storages], chunk_bytes=chunk)
     assert len(fake.calls("copy")) == len(layout.chunks), "one copy per chunk, not per storage"
-    assert len(fake.calls("pinned")) == min(transfer.SLOTS, len(layout.chunks))
+    assert len(fake.calls("pinned")) == min(SLOTS, len(layout.chunks))
     # The host waits only for the copy that last used the slot it is about to refill, and finishes once.
-    assert [e[1] for e in fake.calls("wait")] == list(range(1, len(layout.chunks) - transfer.SLOTS + 1))
+    assert [e[1] for e in fake.calls("wait")] == list(range(1, len(layout.chunks) - SLOTS + 1))
     assert fake.log[-1] == ("finish",) and len(fake.calls("finish")) == 1
     for entry in fake.log:
         if entry[0] == "copy":
@@ -491,7 +503,7 @@ def test_storages_saved_on_two_devices_go_to_their_own_allocations(
     data = zp.dumps([torch.full((5,), float(i)) for i in range(4)])
     monkeypatch.undo()
     fake_cuda.clear()
-    monkeypatch.setitem(transfer._BACKENDS, "cuda", lambda d: fake_cuda.append(FakeBackend()) or fake_cuda[-1])
+    monkeypatch.setitem(backend._BACKENDS, "cuda", lambda d: fake_cuda.append(FakeBackend()) or fake_cuda[-1])
     monkeypatch.setattr(devices, "_require", lambda d, hint: None)
     loaded = zp.loads(data)  # map_location=None: each storage to the device it was saved on
     assert [b.location for b in header_of(data).buffers] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]

@@ -27,7 +27,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
-from tests.internals import DIRECT_ALIGNMENT, SourceFile, loadcore, plan, plan_reads, readahead, transfer
+from tests.internals import (
+    DIRECT_ALIGNMENT,
+    SLOTS,
+    SourceFile,
+    coldread,
+    loadcore,
+    plan,
+    plan_reads,
+    readahead,
+    transfer,
+)
 
 from .conftest import left_behind, settled
 from .test_transfer import FakeBackend, Layout, cold_folder, direct_io_works, evict, raw
@@ -103,7 +113,7 @@ def test_any_layout_arrives_bit_for_bit(disk: Path, items: list[tuple[int, int]]
     assert [raw(m) for m in moved] == layout.expected()
     if sum(layout.sizes):
         assert delta(before, "cold") == 1
-        assert len(fake.calls("pinned")) <= transfer.SLOTS
+        assert len(fake.calls("pinned")) <= SLOTS
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -195,10 +205,10 @@ class ReadSpy:
     """Logs every read into the fake backend's log, as ``("read", address, nbytes, direct)``."""
 
     def __init__(self, fake: FakeBackend, monkeypatch: pytest.MonkeyPatch, refuse: bool = False) -> None:
-        self.real = transfer._preadv
+        self.real = coldread._preadv
         self.fake = fake
         self.refuse = refuse
-        monkeypatch.setattr(transfer, "_preadv", self)
+        monkeypatch.setattr(coldread, "_preadv", self)
 
     def __call__(self, fd: int, view: memoryview, offset: int) -> int:
         address = ctypes.addressof(ctypes.c_char.from_buffer(view))
@@ -232,9 +242,9 @@ def test_the_ring_has_at_most_slots_buffers_and_none_is_refilled_before_its_copy
     ReadSpy(fake, monkeypatch)
     moved = layout.move(fake, chunk_bytes=3 * 4096)
     assert [raw(m) for m in moved] == layout.expected()
-    assert 1 < len(spy_slots) <= transfer.SLOTS
+    assert 1 < len(spy_slots) <= SLOTS
     reads = fake.calls("read")
-    assert len(reads) > 2 * transfer.SLOTS, "the slots were reused"
+    assert len(reads) > 2 * SLOTS, "the slots were reused"
 
     def slot_of(address: int) -> int:
         (slot,) = [i for i, (a, b) in enumerate(spy_slots) if a <= address < b]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import zerocopy_pickle as zp
-from tests.internals import transfer
+from tests.internals import DEVICE_ALIGNMENT, SourceFile, transfer
 
 from .test_transfer import Layout, cold_folder, direct_io_works, evict, raw
 
@@ -54,7 +54,7 @@ def test_move_delivers_the_bytes(method: str) -> None:
     assert [m.device.type for m in moved] == ["cuda"] * 5
     assert [bytes(m.cpu()) for m in moved] == [bytes(s) for s in storages]
     if method != "per-storage":
-        assert all(m.data_ptr() % transfer.DEVICE_ALIGNMENT == 0 for m in moved if m.nbytes())
+        assert all(m.data_ptr() % DEVICE_ALIGNMENT == 0 for m in moved if m.nbytes())
 
 
 def test_load_to_cuda_equals_the_cpu_load_and_shares_what_it_shared(tmp_path: object) -> None:
@@ -141,7 +141,7 @@ def test_a_cold_file_is_read_into_pinned_slots_and_arrives_bit_for_bit(disk: Pat
     try:
         moved = transfer.move(
             layout.storages(), torch.device("cuda", 0), chunk_bytes=1 << 20,
-            source=transfer.SourceFile(fd, tuple(layout.offsets)),
+            source=SourceFile(fd, tuple(layout.offsets)),
         )  # fmt: skip
     finally:
         os.close(fd)
@@ -150,7 +150,7 @@ def test_a_cold_file_is_read_into_pinned_slots_and_arrives_bit_for_bit(disk: Pat
         assert transfer.STATS["direct bytes"] > before.get("direct bytes", 0), "pinned memory takes O_DIRECT"
     assert [m.device.type for m in moved] == ["cuda"] * 6
     assert [raw(m.cpu()) for m in moved] == layout.expected()
-    assert all(m.data_ptr() % transfer.DEVICE_ALIGNMENT == 0 for m in moved if m.nbytes())
+    assert all(m.data_ptr() % DEVICE_ALIGNMENT == 0 for m in moved if m.nbytes())
 
 
 def test_a_cold_snapshot_loads_to_cuda_from_the_file(disk: Path) -> None:
@@ -174,7 +174,7 @@ def test_a_cold_file_truncated_under_the_load_frees_its_device_memory(disk: Path
         with pytest.raises(zp.SnapshotError, match="truncated"):
             transfer.move(
                 layout.storages(), torch.device("cuda", 0), chunk_bytes=1 << 20,
-                source=transfer.SourceFile(fd, tuple(layout.offsets)),
+                source=SourceFile(fd, tuple(layout.offsets)),
             )  # fmt: skip
     finally:
         os.close(fd)

@@ -27,7 +27,9 @@ import torch
 
 from .. import rebuild
 from .._devices import transfer
+from .._devices.backend import has_backend
 from .._devices.device import MapLocation, check_targets, is_cpu, static_target
+from .._devices.plan import SourceFile
 from .._registry.registry import Registry, default_registry
 from .._trust import streamcheck
 from .._trust.restricted import AllowSpec, stream_uses
@@ -235,13 +237,13 @@ def _place(
         if target is None or is_cpu(target):
             continue
         device = transfer.device_of(target)
-        if transfer.has_backend(device):
+        if has_backend(device):
             groups.setdefault(device, []).append(index)
     for device, indices in groups.items():
         hosts = [rebuild.storage_from_buffer(buffers[index]) for index in indices]
         source = None
         if source_file is not None:
             fd, offsets = source_file
-            source = transfer.SourceFile(fd, tuple(offsets[index] for index in indices))
+            source = SourceFile(fd, tuple(offsets[index] for index in indices))
         for index, storage in zip(indices, transfer.move(hosts, device, source=source), strict=True):
             placed[index] = storage

@@ -3,6 +3,6 @@ private mappings), the file layout and its one header reader, checksums and sign
 opens (path, file object, bytes, fd), background reads into the page cache, progress bars, and snapshots at
 URLs. Needs no torch, so the model cache's server uses it too.
 
-Layers inside (lowest first; each imports only those before it): ``arena`` | ``format`` | ``progress`` |
+Layers inside (lowest first; each imports only those before it): ``format`` < ``arena`` | ``progress`` |
 ``readahead`` < ``integrity`` | ``sources`` < ``remote``.
 """

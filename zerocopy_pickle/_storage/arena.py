@@ -29,6 +29,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import BinaryIO
 
+from .format import align_up
+
 Piece = bytes | bytearray | memoryview
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -297,7 +299,7 @@ def split_placed(placed: Sequence[tuple[int, Piece]], parts: int) -> list[Share]
             if not 1 <= candidate < len(filled):
                 continue
             index = filled[candidate]
-            cut = -(-offsets[index] // WRITE_CHUNK) * WRITE_CHUNK
+            cut = align_up(offsets[index], WRITE_CHUNK)
             if cut >= finish or (cuts and (index <= cuts[-1][0] or cut <= cuts[-1][1])):
                 continue
             if best is None or abs(cut - target) < abs(best[1] - target):

@@ -80,8 +80,9 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def align_up(n: int, alignment: int) -> int:
-    """Round ``n`` up to a multiple of ``alignment`` (a power of two)."""
-    return (n + alignment - 1) & ~(alignment - 1)
+    """Round ``n`` up to a multiple of ``alignment``, any positive int (the package's one rounding-up helper:
+    the snapshot's alignments are powers of two, a device transfer's may be any)."""
+    return -(-n // alignment) * alignment
 
 
 def buffer_alignment(nbytes: int) -> int:
