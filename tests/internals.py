@@ -15,7 +15,7 @@ from zerocopy_pickle import _console as console
 from zerocopy_pickle._cli import main
 from zerocopy_pickle._console import NOISE, configure_logging, printable, quiet_third_party
 from zerocopy_pickle._core import loadcore, pickler, snapshot
-from zerocopy_pickle._core.loadcore import load_stream
+from zerocopy_pickle._core.loadcore import BufferTable, LoadPolicy, load_stream
 from zerocopy_pickle._devices import backend, coldread, device, transfer
 from zerocopy_pickle._devices.plan import (
     DEVICE_ALIGNMENT,
@@ -55,7 +55,9 @@ __all__ = [
     "PAGE",
     "SLOTS",
     "AllowList",
+    "BufferTable",
     "GlobalName",
+    "LoadPolicy",
     "Plan",
     "SourceFile",
     "arena",

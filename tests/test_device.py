@@ -117,6 +117,32 @@ def test_map_location_to_meta() -> None:
     assert loaded["w"].is_meta and loaded["w"].shape == (2, 3)
 
 
+class _CountingMap(dict[str, str]):
+    """A ``map_location`` dict that counts how often a load looks a saved location up."""
+
+    looked_up = 0
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.looked_up += 1
+        return super().get(key, default)
+
+
+@pytest.mark.parametrize("source", ["file", "bytes"])
+def test_a_load_examines_map_location_once_per_saved_location(tmp_path: Any, source: str) -> None:
+    """The load core turns map_location into one Targets per load: the device check, the prefetch decision and
+    the storage builder all read its answer, so 100 tensors saved on the CPU look "cpu" up once, not per storage
+    and not once per place that asks."""
+    state = {f"t{i}": torch.full((3,), float(i)) for i in range(100)}
+    mapping = _CountingMap(cpu="cpu")
+    if source == "file":
+        zp.dump(state, tmp_path / "s.zcp")
+        loaded = zp.load(tmp_path / "s.zcp", map_location=mapping)
+    else:
+        loaded = zp.loads(zp.dumps(state), map_location=mapping)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert mapping.looked_up == 1
+
+
 @pytest.mark.parametrize("bad", [3, 1.5, ["cpu"]])
 def test_malformed_map_location(bad: Any) -> None:
     with pytest.raises(zp.ArgumentError, match="map_location must be"):

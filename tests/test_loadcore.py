@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from tests.internals import loadcore
+from tests.internals import BufferTable, LoadPolicy, loadcore
 from zerocopy_pickle import Registry, ZeroCopyPickler, default_registry
 from zerocopy_pickle.cache import entries
 
@@ -43,12 +43,14 @@ def test_a_trusted_load_runs_the_plugins_hooks_a_restricted_one_does_not(hooked:
     _, ran = hooked
     stream, views = pickled({"w": torch.arange(4.0)})
     plugins = [("test-core-hook", "zcp-core-hook")]
-    restricted = loadcore.load_stream(stream, views, trusted=False, plugins=plugins)
+    restricted = loadcore.load_stream(stream, BufferTable(views), LoadPolicy(trusted=False, plugins=plugins))
     assert torch.equal(restricted["w"], torch.arange(4.0)) and ran == []
-    trusted = loadcore.load_stream(stream, views, trusted=True, plugins=plugins)
+    trusted = loadcore.load_stream(stream, BufferTable(views), LoadPolicy(trusted=True, plugins=plugins))
     assert torch.equal(trusted["w"], torch.arange(4.0)) and ran == ["hook"]
     with pytest.raises(zp.PluginError, match="pip install zcp-absent"):
-        loadcore.load_stream(stream, views, trusted=True, plugins=[("test-core-absent", "zcp-absent")])
+        loadcore.load_stream(
+            stream, BufferTable(views), LoadPolicy(trusted=True, plugins=[("test-core-absent", "zcp-absent")])
+        )
 
 
 def test_cache_streams_record_and_prepare_their_plugins(hooked: tuple[Registry, list[str]]) -> None:
@@ -79,10 +81,10 @@ def test_argument_references_resolve_only_in_a_trusted_load() -> None:
     loaded = entries.unpickle(result.stream, result.views, [mine])
     assert loaded["module"] is mine and torch.equal(loaded["x"], torch.ones(2))
     with pytest.raises(zp.ArgumentError, match="trusted"):
-        loadcore.load_stream(result.stream, result.views, trusted=False, arguments=[mine])
+        loadcore.load_stream(result.stream, BufferTable(result.views), LoadPolicy(trusted=False, arguments=[mine]))
     # A restricted load of a stream naming the reference refuses it like any other global it does not allow.
     with pytest.raises(zp.RestrictedLoadError, match="zerocopy_pickle._core.loadcore:argument"):
-        loadcore.load_stream(result.stream, result.views, trusted=False)
+        loadcore.load_stream(result.stream, BufferTable(result.views), LoadPolicy(trusted=False))
     with pytest.raises(zp.ZeroCopyPickleError, match="only be resolved"):
         loadcore.argument(0)
 
@@ -90,11 +92,13 @@ def test_argument_references_resolve_only_in_a_trusted_load() -> None:
 def test_buffer_count_and_errors_are_the_libraries() -> None:
     stream, views = pickled([torch.arange(3.0), torch.ones(2)])
     with pytest.raises(zp.SnapshotError, match=r"consumes 2 out-of-band buffer\(s\), the table declares 1"):
-        loadcore.load_stream(stream, views[:1], trusted=True, table="the table")
+        loadcore.load_stream(stream, BufferTable(views[:1], name="the table"), LoadPolicy(trusted=True))
     with pytest.raises(zp.SnapshotError, match=r"consumes 2 out-of-band buffer\(s\), the header declares 3"):
-        loadcore.load_stream(stream, [*views, views[0]], trusted=False)
+        loadcore.load_stream(stream, BufferTable([*views, views[0]]), LoadPolicy(trusted=False))
     with pytest.raises(zp.SnapshotError, match="my stream is corrupt"):
-        loadcore.load_stream(stream[:-1], views, trusted=True, check_bounds=False, where="my stream")
+        loadcore.load_stream(
+            stream[:-1], BufferTable(views), LoadPolicy(trusted=True, check_bounds=False), where="my stream"
+        )
     # The buffers of a deferred source are asked for only once every check passed.
     asked: list[int] = []
 
@@ -103,9 +107,11 @@ def test_buffer_count_and_errors_are_the_libraries() -> None:
         return views
 
     with pytest.raises(zp.SnapshotError):
-        loadcore.load_stream(stream, source, declared=1, trusted=False)
+        loadcore.load_stream(stream, BufferTable(source, declared=1), LoadPolicy(trusted=False))
     assert asked == []
-    assert len(loadcore.load_stream(stream, source, declared=2, trusted=False)) == 2 and asked == [1]
+    assert len(
+        loadcore.load_stream(stream, BufferTable(source, declared=2), LoadPolicy(trusted=False))
+    ) == 2 and asked == [1]
 
 
 def test_a_trusted_streams_own_failure_propagates_as_itself() -> None:
@@ -115,7 +121,7 @@ def test_a_trusted_streams_own_failure_propagates_as_itself() -> None:
 
     stream = pickle.dumps(Boom(), protocol=5)
     with pytest.raises(ValueError, match="invalid literal"):
-        loadcore.load_stream(stream, [], trusted=True)
+        loadcore.load_stream(stream, BufferTable([]), LoadPolicy(trusted=True))
 
 
 def test_admit_stream_decides_as_a_restricted_load_does() -> None:
@@ -127,7 +133,7 @@ def test_admit_stream_decides_as_a_restricted_load_does() -> None:
     ZeroCopyPickler(out, buffer_callback=lambda b: buffers.append(b) or False).dump(module)
     stream = out.getvalue()
     with pytest.raises(zp.RestrictedLoadError) as by_load:
-        loadcore.load_stream(stream, [b.raw() for b in buffers], trusted=False)
+        loadcore.load_stream(stream, BufferTable([b.raw() for b in buffers]), LoadPolicy(trusted=False))
     with pytest.raises(zp.RestrictedLoadError) as by_admission:
         loadcore.admit_stream(stream)
     assert by_admission.value.needed == by_load.value.needed

@@ -260,7 +260,7 @@ def test_offloaded_takes_copy_or_refuse(bad: object) -> None:
 def test_a_cache_entry_copies_disk_offloaded_weights_too(tmp_path: Path) -> None:
     """The model cache pickles its entries with its own pickler: it applies the same copy, so an entry of a
     disk-offloaded model does not read the folder either."""
-    from tests.internals import load_stream
+    from tests.internals import BufferTable, LoadPolicy, load_stream
     from zerocopy_pickle.cache.entries import pickle_with_refs
 
     m = model()
@@ -268,7 +268,7 @@ def test_a_cache_entry_copies_disk_offloaded_weights_too(tmp_path: Path) -> None
     accelerate.disk_offload(m, folder, execution_device="cpu")
     pickled = pickle_with_refs(m, [], in_band=True)
     shutil.move(folder, folder.with_name("offload.moved"))
-    loaded = load_stream(pickled.stream, [], trusted=True)
+    loaded = load_stream(pickled.stream, BufferTable([]), LoadPolicy(trusted=True))
     assert all(loader.index == {} and loader.save_folder is None for loader in loaders(loaded))
     with torch.no_grad():
         assert torch.equal(loaded(inputs()), expected())

@@ -30,6 +30,8 @@ import zerocopy_pickle as zp
 from tests.internals import (
     DIRECT_ALIGNMENT,
     SLOTS,
+    BufferTable,
+    LoadPolicy,
     SourceFile,
     coldread,
     loadcore,
@@ -397,15 +399,13 @@ def test_load_stream_reads_a_cold_snapshot_file_for_the_device(disk: Path, fake_
         stream = bytes(view[header.stream_offset : header.stream_offset + header.stream_nbytes])
         evict(path)  # reading the header and the stream read ahead into the buffers' pages
         before = stats()
-        loaded = loadcore.load_stream(
-            stream,
+        table = BufferTable(
             buffers,
-            trusted=True,
-            map_location="cuda:0",
             locations=[b.location for b in header.buffers],
             tensor_buffers=[b.dtype is not None for b in header.buffers],
             source_file=(fd, [a for a, _ in ranges]),
         )
+        loaded = loadcore.load_stream(stream, table, LoadPolicy(trusted=True, map_location="cuda:0"))
     finally:
         os.close(fd)
     assert delta(before, "cold") == 1 and len(fake_cuda) == 1

@@ -201,23 +201,24 @@ class StorageBuilder:
     that buffer's header row and ``map_location`` say, and is built (and moved) once per buffer: every
     ``rebuild_storage`` of the same buffer returns the same storage. The stream's ``location`` argument must be a
     device string of at most 64 characters but is otherwise **ignored** for such buffers: the header row, which
-    :func:`zerocopy_pickle._devices.device.check_targets` checked before anything was built and which the bulk transfer
+    :meth:`zerocopy_pickle._devices.device.Targets.check` checked before anything was built and which the bulk transfer
     used, decides (a stream that disagrees with its header is placed by the header, as the bulk transfer places
     it). Bytes in the stream (a storage copied in band: no row) go where the stream's location and
     ``map_location`` say, each call its own copy, charged to a restricted load's budget. A plain dict as
     ``placed`` (``id(buffer) -> storage``, the interface before :class:`Placement`) is still read.
     """
 
-    __slots__ = ("_legacy", "_map_location", "_native", "_placement", "_stays_on_cpu")
+    __slots__ = ("_legacy", "_native", "_placement", "_targets")
 
-    def __init__(self, map_location: MapLocation, placed: dict[int, torch.UntypedStorage] | None = None) -> None:
-        self._map_location = map_location
+    def __init__(
+        self, map_location: MapLocation | device.Targets, placed: dict[int, torch.UntypedStorage] | None = None
+    ) -> None:
+        self._targets = device.Targets.of(map_location)  # the load's own, or made here once
         self._placement = placed if isinstance(placed, Placement) else None
         # id(buffer) -> a storage already moved, for a caller that passes a plain dict: the buffers of the load's
         # own list, alive for as long as the unpickler is.
         self._legacy = placed if placed is not None and not isinstance(placed, Placement) else None
         self._native = native.storage_builder()  # the backend is chosen once per load
-        self._stays_on_cpu: dict[str, bool] = {}  # saved location -> whether its target is the CPU
 
     def __call__(self, buffer: Any, location: str) -> torch.UntypedStorage:
         # A restricted load calls this with arguments the stream chose: exact types first (Note [Safe globals]).
@@ -261,10 +262,4 @@ class StorageBuilder:
 
     def _place(self, storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
         """``storage`` (on the CPU), saved on ``location``, where the load's ``map_location`` sends it."""
-        stays = self._stays_on_cpu.get(location)
-        if stays is None:
-            target = device.static_target(self._map_location, location)
-            stays = self._stays_on_cpu[location] = target is not None and device.is_cpu(target)
-        if stays:
-            return storage
-        return device.restore(storage, location, self._map_location)
+        return self._targets.restore(storage, location)

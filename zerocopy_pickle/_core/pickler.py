@@ -34,7 +34,7 @@ from typing import IO, Any
 import torch
 
 from .. import rebuild, safeglobals, validate
-from .._devices.device import MapLocation, static_target
+from .._devices.device import MapLocation, Targets
 from .._names import GlobalName
 from .._registry.registry import Registry, default_registry
 from .._storage.format import BufferSpec, PluginRef
@@ -491,7 +491,8 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         file: the pickle stream (anything with ``read``, ``readline``).
         buffers: the out-of-band buffers, in order (an iterable), as for ``pickle.Unpickler``. A writable
             buffer becomes a storage without a copy and is kept alive by it.
-        map_location: where storages go, as for ``torch.load``.
+        map_location: where storages go, as for ``torch.load`` (or the load core's
+            :class:`~zerocopy_pickle._devices.device.Targets` of it).
         trusted: resolve every global (full pickle; runs whatever code the stream names).
         allow: further globals for this unpickler only: classes, values, ``"module:qualname"`` strings, and
             :func:`~zerocopy_pickle._trust.restricted.allow_function` entries for functions the stream may call.
@@ -515,7 +516,7 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         file: IO[bytes],
         *,
         buffers: Any = None,
-        map_location: MapLocation = None,
+        map_location: MapLocation | Targets = None,
         trusted: bool = False,
         allow: AllowSpec = (),
         encoding: str = "ASCII",
@@ -526,10 +527,10 @@ class ZeroCopyUnpickler(pickle.Unpickler):
         stream_uses: StreamUses | None = None,
         placed: rebuild.Placement | dict[int, torch.UntypedStorage] | None = None,
     ) -> None:
-        static_target(map_location, "cpu")  # reject a malformed map_location before reading anything
+        targets = Targets.of(map_location)  # a malformed map_location is refused before anything is read
         if placed is None and isinstance(buffers, (list, tuple)):
             placed = rebuild.Placement(buffers)
-        self._storage_builder = rebuild.StorageBuilder(map_location, placed)
+        self._storage_builder = rebuild.StorageBuilder(targets, placed)
         self._resolved: dict[tuple[str, str], object] | None = None
         self._budget = 0
         self._stream: bytes | None = None

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, Union
 
-from .._devices.device import MapLocation, is_cpu, static_target
+from .._devices.device import MapLocation, Targets, is_cpu
 from .._registry.registry import Registry
 from .._storage import arena, format, integrity, progress, readahead, remote, sources
 from .._trust.restricted import AllowSpec, scan_stream
@@ -242,7 +242,7 @@ def freeze(
 def _load_view(
     view: memoryview,
     *,
-    map_location: MapLocation,
+    map_location: MapLocation | Targets,
     trusted: bool | None,
     allow: AllowSpec,
     verify: bool = False,
@@ -293,20 +293,17 @@ def _load_view(
             integrity.verify_buffers(header, buffers)
         return buffers
 
-    result = loadcore.load_stream(
-        stream,
+    table = loadcore.BufferTable(
         checked_buffers,
         declared=len(header.buffers),
-        trusted=trusted,
-        plugins=header.plugins,
-        allow=allow,
-        map_location=map_location,
         locations=[entry.location for entry in header.buffers],
         tensor_buffers=[entry.dtype is not None for entry in header.buffers],
-        where=f"the pickle stream (offset {header.stream_offset})",
-        registry=registry,
         source_file=None if file is None or (verify and not stable) else _buffer_offsets(header, *file),
     )
+    policy = loadcore.LoadPolicy(
+        trusted=trusted, plugins=header.plugins, allow=allow, map_location=map_location, registry=registry
+    )
+    result = loadcore.load_stream(stream, table, policy, where=f"the pickle stream (offset {header.stream_offset})")
     log.log(level, "loaded %s: %d bytes, %d buffers, %s%s, %.3f s", source, header.total_nbytes,
             len(header.buffers), "trusted" if trusted else "restricted", ", verified" if verify else "",
             time.perf_counter() - start)  # fmt: skip
@@ -441,22 +438,23 @@ def _prefetch_mode(prefetch: Prefetching) -> str | None:
     raise ArgumentError(f"prefetch must be None, True, False or 'wait', not {prefetch!r:.40}")
 
 
-def _stays_on_cpu(map_location: MapLocation, header: format.Header) -> bool:
+def _stays_on_cpu(targets: Targets, header: format.Header) -> bool:
     """Whether a load's storages are built over the mapping (else a bulk transfer reads the file for the device,
     and reading it into the page cache as well would compete with it). A callable decides storage by storage on
-    the CPU storages: ``static_target`` is None for it."""
-    targets = {static_target(map_location, entry.location) for entry in header.buffers if entry.dtype is not None}
-    return all(target is None or is_cpu(target) for target in targets)
+    the CPU storages: its ``target`` is None."""
+    devices = {targets.target(entry.location) for entry in header.buffers if entry.dtype is not None}
+    return all(target is None or is_cpu(target) for target in devices)
 
 
 def _load_opened(opened: sources.Opened, mode: str | None, *, map_location: MapLocation, source: str,
                  **kwargs: Any) -> Any:  # fmt: skip
     """:func:`_load_view` of an opened snapshot, with its prefetch (``mode``), closing its kept fd."""
     job = None
+    targets = Targets.of(map_location)  # examined once: here for the prefetch, then by the load core
 
     def start_prefetch() -> None:
         nonlocal job
-        if mode is not None and opened.file is not None and _stays_on_cpu(map_location, opened.header):
+        if mode is not None and opened.file is not None and _stays_on_cpu(targets, opened.header):
             fd, offset = opened.file
             start = offset + opened.header.data_offset
             job = readahead.start(fd, start, start + opened.header.data_nbytes, name=source)
@@ -464,7 +462,7 @@ def _load_opened(opened: sources.Opened, mode: str | None, *, map_location: MapL
     try:
         result = _load_view(
             opened.view,
-            map_location=map_location,
+            map_location=targets,
             stable=opened.stable,
             header=opened.header,
             source=source,

@@ -8,7 +8,7 @@ target is the CPU; otherwise it is copied to the target device. The target follo
 * a dict: maps saved locations (``"cuda:1"``) to new ones; unmapped locations stay;
 * a callable ``f(storage, location)``: returns the storage to use, or None for the default.
 
-:func:`check_targets` runs before unpickling, so a load that cannot place its storages fails before it has
+:meth:`Targets.check` runs before unpickling, so a load that cannot place its storages fails before it has
 built anything.
 """
 
@@ -90,25 +90,69 @@ def static_target(map_location: MapLocation, location: str) -> str | None:
         return str(map_location)
     if isinstance(map_location, Mapping):
         return str(map_location.get(location, location))
-    if callable(map_location):
-        return None
-    raise ArgumentError(
-        f"map_location must be None, a device string, a torch.device, a dict or a callable, "
-        f"not {type(map_location).__name__}"
-    )
+    _check_kind(map_location)
+    return None  # a callable
 
 
-def check_targets(map_location: MapLocation, locations: Iterable[str]) -> None:
-    """Check, before anything is built, that every saved location can be placed where it is sent.
+def _check_kind(map_location: MapLocation) -> None:
+    if not (map_location is None or isinstance(map_location, (str, torch.device, Mapping)) or callable(map_location)):
+        raise ArgumentError(
+            f"map_location must be None, a device string, a torch.device, a dict or a callable, "
+            f"not {type(map_location).__name__}"
+        )
+
+
+class Targets:
+    """One load's ``map_location``, examined once: its kind checked when the load starts, each saved location's
+    target worked out once (remembered for the load's life), the devices checked before anything is built, and
+    every storage placed through it. The load core makes one per load and hands it to the unpickler, whose
+    storage builder places with it; :meth:`of` passes one through, so every layer may accept either.
 
     Raises:
-        DeviceError: a target device does not exist here; the message names ``map_location``.
-        ArgumentError: ``map_location`` is malformed.
+        ArgumentError: ``map_location`` is not one of the accepted kinds (when made).
     """
-    for location in set(locations):
-        target = static_target(map_location, location)
-        if target is not None and not is_cpu(target):
-            _check_available(_parse(target, map_location), location, map_location)
+
+    __slots__ = ("_static", "map_location")
+
+    def __init__(self, map_location: MapLocation = None) -> None:
+        _check_kind(map_location)  # before anything is read
+        self.map_location = map_location
+        self._static: dict[str, str | None] = {}
+
+    @classmethod
+    def of(cls, map_location: MapLocation | Targets) -> Targets:
+        """``map_location`` as a :class:`Targets` (itself when it already is one)."""
+        return map_location if isinstance(map_location, Targets) else cls(map_location)
+
+    def target(self, location: str) -> str | None:
+        """Where a storage saved on ``location`` goes; None when a callable decides, storage by storage."""
+        try:
+            return self._static[location]
+        except KeyError:
+            target = self._static[location] = static_target(self.map_location, location)
+            return target
+
+    def stays_on_cpu(self, location: str) -> bool:
+        """Whether a storage saved on ``location`` stays the CPU storage it was built as."""
+        target = self.target(location)
+        return target is not None and is_cpu(target)
+
+    def check(self, locations: Iterable[str]) -> None:
+        """Check, before anything is built, that every saved location can be placed where it is sent.
+
+        Raises:
+            DeviceError: a target device does not exist here; the message names ``map_location``.
+        """
+        for location in set(locations):
+            target = self.target(location)
+            if target is not None and not is_cpu(target):
+                _check_available(_parse(target, self.map_location), location, self.map_location)
+
+    def restore(self, storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        """Place a freshly rebuilt CPU storage, saved on ``location`` (:func:`restore`)."""
+        if self.stays_on_cpu(location):
+            return storage
+        return restore(storage, location, self.map_location)
 
 
 def default_restore(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:

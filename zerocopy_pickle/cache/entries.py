@@ -25,7 +25,7 @@ from typing import IO, Any, NamedTuple
 
 import torch
 
-from .._core.loadcore import argument, load_stream
+from .._core.loadcore import BufferTable, LoadPolicy, argument, load_stream
 from .._core.pickler import ZeroCopyPickler
 from .._registry.preparation import dump_reductions
 from .._storage import arena, progress
@@ -84,13 +84,9 @@ def unpickle(stream: bytes, buffers: Sequence[Any], refs: Sequence[object], plug
     :func:`zerocopy_pickle._core.loadcore.load_stream`)."""
     return load_stream(
         stream,
-        buffers,
-        trusted=True,
-        plugins=plugins,
-        arguments=refs,
-        check_bounds=False,
+        BufferTable(buffers, name="its buffer table"),
+        LoadPolicy(trusted=True, plugins=plugins, arguments=refs, check_bounds=False),
         where="the cached entry's stream",
-        table="its buffer table",
     )
 
 
