@@ -497,7 +497,18 @@ Errors are one line on stderr: `zerocopy-pickle COMMAND: error: ...`; with --jso
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     _verbosity_options(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_inspect(sub)
+    _add_scan(sub)
+    _add_convert(sub)
+    _add_native(sub)
+    add_cache_commands(sub)
+    for name in ("serve", "status", "stop", "clear"):
+        _verbosity_options(sub.choices[name], "_command")
+    _add_demo(sub)
+    return parser
 
+
+def _add_inspect(sub: Any) -> None:
     p = _command(
         sub,
         "inspect",
@@ -520,6 +531,8 @@ Errors are one line on stderr: `zerocopy-pickle COMMAND: error: ...`; with --jso
     )
     p.set_defaults(func=_inspect)
 
+
+def _add_scan(sub: Any) -> None:
     p = _command(
         sub,
         "scan",
@@ -548,6 +561,8 @@ Errors are one line on stderr: `zerocopy-pickle COMMAND: error: ...`; with --jso
     )
     p.set_defaults(func=_scan)
 
+
+def _add_convert(sub: Any) -> None:
     p = _command(
         sub,
         "convert",
@@ -569,6 +584,8 @@ Errors are one line on stderr: `zerocopy-pickle COMMAND: error: ...`; with --jso
     p.add_argument("--fsync", action="store_true", help="flush the snapshot to stable storage")
     p.set_defaults(func=_convert)
 
+
+def _add_native(sub: Any) -> None:
     p = _command(
         sub,
         "native",
@@ -588,10 +605,8 @@ Errors are one line on stderr: `zerocopy-pickle COMMAND: error: ...`; with --jso
     p.add_argument("--json", action="store_true", help="print a JSON report (see docs/cli.md for its keys)")
     p.set_defaults(func=_native)
 
-    add_cache_commands(sub)
-    for name in ("serve", "status", "stop", "clear"):
-        _verbosity_options(sub.choices[name], "_command")
 
+def _add_demo(sub: Any) -> None:
     p = _command(
         sub,
         "demo",
@@ -612,7 +627,6 @@ Errors are one line on stderr: `zerocopy-pickle COMMAND: error: ...`; with --jso
     p.add_argument("--repeat", type=int, default=3, help="runs per variant or method (default 3)")
     p.add_argument("--dir", default=None, help="directory for the files (default: a temporary one)")
     p.set_defaults(func=_demo)
-    return parser
 
 
 def _exit_code(error: BaseException) -> int:
