@@ -22,7 +22,7 @@ from zerocopy_pickle._devices.transfer import DIRECT_ALIGNMENT, Plan, SourceFile
 from zerocopy_pickle._names import GlobalName
 from zerocopy_pickle._registry.discovery import resolve_name
 from zerocopy_pickle._storage import arena, format, integrity, progress, readahead, remote, sources
-from zerocopy_pickle._trust import restricted, safe_set, safe_tensors, semantics, streamcheck
+from zerocopy_pickle._trust import restricted, safe_set, safe_tensors, semantics, streamcheck, tags
 from zerocopy_pickle._trust.restricted import (
     AllowList,
     format_global,
@@ -83,6 +83,7 @@ __all__ = [
     "sources",
     "spell_allow",
     "streamcheck",
+    "tags",
     "transfer",
     "walk_stream",
 ]

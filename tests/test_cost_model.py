@@ -11,7 +11,7 @@ import functools
 import pytest
 
 import zerocopy_pickle as zp
-from tests.internals import restricted, semantics, streamcheck
+from tests.internals import restricted, semantics, streamcheck, tags
 from zerocopy_pickle import native
 
 from .hostile_streams import as_snapshot
@@ -63,12 +63,12 @@ def test_a_top_down_chain_of_defaultdicts_is_refused(backend: str) -> None:
 def test_a_bottom_up_chain_of_defaultdicts_is_bounded(backend: str) -> None:
     made = DEFAULTDICT + b"N\x85R"
     stream = made
-    for _ in range(semantics.MAX_UNPROTECTED_DEPTH):
+    for _ in range(tags.MAX_UNPROTECTED_DEPTH):
         stream = made + b"K\x00" + stream + b"s"
     with pytest.raises(zp.SnapshotError, match="frees that type recursively"):
         restricted_load(stream + b".", backend)
     shallow = made
-    for _ in range(semantics.MAX_UNPROTECTED_DEPTH - 2):
+    for _ in range(tags.MAX_UNPROTECTED_DEPTH - 2):
         shallow = made + b"K\x00" + shallow + b"s"
     loaded = restricted_load(shallow + b".", backend)
     assert isinstance(loaded, collections.defaultdict)
@@ -113,7 +113,7 @@ def test_a_memo_dag_that_is_not_hashed_loads(backend: str) -> None:
 
 def test_hashing_one_key_again_and_again_is_charged_every_time(backend: str) -> None:
     key = dag(12, b"\x8c\x01x")  # 8191 elements, memo 11 is t_11 (4095); a string leaf: hashed by a secret
-    repeats = semantics.HASH_FLOOR // 4095 + 10
+    repeats = tags.HASH_FLOOR // 4095 + 10
     stream = b"}" + key + b"Ns" + b"h\x0bNs" * repeats + b"."
     with pytest.raises(zp.SnapshotError, match="hash more elements"):
         restricted_load(stream, backend)
@@ -135,7 +135,7 @@ def test_keys_whose_hashes_the_stream_chooses_are_charged_for_collisions(backend
 
 @pytest.mark.parametrize("where", ["module", "qualname"])
 def test_names_longer_than_the_limit_are_refused(backend: str, where: str) -> None:
-    long = "a." * (semantics.MAX_NAME_LENGTH // 2) + "b"
+    long = "a." * (tags.MAX_NAME_LENGTH // 2) + "b"
     module, qualname = (long, "x") if where == "module" else ("collections", long)
     stream = b"c" + module.encode() + b"\n" + qualname.encode() + b"\n."
     with pytest.raises(zp.SnapshotError, match="characters long"):

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
-from tests.internals import check_stream, semantics, walk_stream
+from tests.internals import check_stream, semantics, tags, walk_stream
 from tests.internals import format as fmt
 
 from .test_hostile import as_snapshot
@@ -168,9 +168,9 @@ def _defaultdicts(n: int) -> bytes:
     return (made + b"K\x00") * n + made + b"s" * n
 
 
-_DEPTH = semantics.MAX_DEPTH
-_UNPROTECTED = semantics.MAX_UNPROTECTED_DEPTH
-_NAME = semantics.MAX_NAME_LENGTH
+_DEPTH = tags.MAX_DEPTH
+_UNPROTECTED = tags.MAX_UNPROTECTED_DEPTH
+_NAME = tags.MAX_NAME_LENGTH
 _OBJ = b"cbuiltins\nobject\n"
 COST_MODEL_STREAMS = {
     name: b"\x80\x05" + body + b"."
