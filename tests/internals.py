@@ -22,15 +22,21 @@ from zerocopy_pickle._devices.transfer import DIRECT_ALIGNMENT, Plan, SourceFile
 from zerocopy_pickle._names import GlobalName
 from zerocopy_pickle._registry.discovery import resolve_name
 from zerocopy_pickle._storage import arena, format, integrity, progress, readahead, remote, sources
-from zerocopy_pickle._trust import restricted, safe_set, safe_tensors, semantics, streamcheck, tags
-from zerocopy_pickle._trust.restricted import (
-    AllowList,
-    format_global,
-    is_blocked,
-    safe_globals,
-    scan_stream,
-    spell_allow,
+from zerocopy_pickle._trust import (
+    advice,
+    blocklist,
+    entries,
+    restricted,
+    safe_set,
+    safe_tensors,
+    semantics,
+    streamcheck,
+    tags,
 )
+from zerocopy_pickle._trust.advice import spell_allow
+from zerocopy_pickle._trust.blocklist import is_blocked
+from zerocopy_pickle._trust.entries import format_global
+from zerocopy_pickle._trust.restricted import AllowList, safe_globals, scan_stream
 from zerocopy_pickle._trust.safe_set import NN_BUILTIN_VALUES, safe_table
 from zerocopy_pickle._trust.safe_tensors import safe_rebuild_memory_format, safe_rebuild_wrapper_subclass
 from zerocopy_pickle._trust.streamcheck import DYNAMIC, MAX_MARKS, MAX_STACK, check_stream, walk_stream
@@ -46,13 +52,16 @@ __all__ = [
     "GlobalName",
     "Plan",
     "SourceFile",
+    "advice",
     "arena",
+    "blocklist",
     "build_controlnet_pipeline",
     "check_stream",
     "cli",
     "configure_logging",
     "console",
     "device",
+    "entries",
     "format",
     "format_global",
     "integrity",

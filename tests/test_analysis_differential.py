@@ -1,6 +1,6 @@
 """Differential fuzz of the stream analysis: Python (:func:`zerocopy_pickle._trust.semantics.analyze`, after
 :func:`zerocopy_pickle._trust.streamcheck.check_stream`) against its native twin (``analyze_stream`` in
-csrc/zerocopy_native.cpp), on streams aimed at the cost model's rules (semantics' Note [The cost model]).
+csrc/zerocopy_native.cpp), on streams aimed at the cost model's rules (tags' Note [The cost model]).
 
 Each generator writes streams near one rule's edge, on both sides of it:
 

@@ -1,4 +1,4 @@
-"""The restricted load's cost model (semantics' Note [The cost model], docs/security.md "What a load may cost"):
+"""The restricted load's cost model (tags' Note [The cost model], docs/security.md "What a load may cost"):
 each attack class end to end through ``zp.loads``, the analysis cache's bound in bytes, and the name checks'
 linear cost, counted (never timed). The Python and native twins' agreement on every rule is in
 tests/test_native_semantics.py (CASES); random programs in tests/test_analysis_differential.py."""
@@ -11,7 +11,7 @@ import functools
 import pytest
 
 import zerocopy_pickle as zp
-from tests.internals import restricted, semantics, streamcheck, tags
+from tests.internals import blocklist, semantics, streamcheck, tags
 from zerocopy_pickle import native
 
 from .hostile_streams import as_snapshot
@@ -153,21 +153,21 @@ class _CountingSet(frozenset[str]):
 
 
 def test_the_blocked_module_check_reads_a_bounded_part_of_the_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    counting = _CountingSet(restricted.BLOCKED_MODULES)
-    monkeypatch.setattr(restricted, "BLOCKED_MODULES", counting)
-    restricted._module_blocked.cache_clear()
+    counting = _CountingSet(blocklist.BLOCKED_MODULES)
+    monkeypatch.setattr(blocklist, "BLOCKED_MODULES", counting)
+    blocklist._module_blocked.cache_clear()
     try:
         for name in ("a." * 500_000, "a" * 1_000_000, "x" + ".a" * 300_000):
             _CountingSet.looked_up = 0
-            assert not restricted._module_blocked(name)
-            longest = restricted._LONGEST_BLOCKED
+            assert not blocklist._module_blocked(name)
+            longest = blocklist._LONGEST_BLOCKED
             assert _CountingSet.looked_up <= longest * longest  # not len(name)**2: one slice per dot, up to `longest`
-        assert restricted._module_blocked("os." + "a." * 100_000 + "b")
-        assert restricted._module_blocked("torch.utils.cpp_extension")
-        assert not restricted._module_blocked("torch.utils.cpp_extensions")
-        assert restricted._module_blocked("torch.utils.cpp_extension.x")
+        assert blocklist._module_blocked("os." + "a." * 100_000 + "b")
+        assert blocklist._module_blocked("torch.utils.cpp_extension")
+        assert not blocklist._module_blocked("torch.utils.cpp_extensions")
+        assert blocklist._module_blocked("torch.utils.cpp_extension.x")
     finally:
-        restricted._module_blocked.cache_clear()
+        blocklist._module_blocked.cache_clear()
 
 
 def test_refused_streams_do_not_fill_the_analysis_cache() -> None:

@@ -1,4 +1,4 @@
-"""The restricted load's cost model (zerocopy_pickle/_trust/semantics.py, Note [The cost model]) against what a load
+"""The restricted load's cost model (zerocopy_pickle/_trust/tags.py, Note [The cost model]) against what a load
 really does, measured by operation counters, never by the clock.
 
 * Hashing. A *replay* of the stream by pickle's pure-Python unpickler (``pickle._Unpickler``, the reference

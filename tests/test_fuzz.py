@@ -4,7 +4,7 @@
 everywhere: any input is either loaded or refused with this library's error; never a crash, a hang, another
 exception type, or a stream check that disagrees with its thorough twin.
 
-:data:`COST_MODEL_STREAMS` is the hostile corpus of the analysis's cost model (semantics' Note [The cost
+:data:`COST_MODEL_STREAMS` is the hostile corpus of the analysis's cost model (tags' Note [The cost
 model]: late fills and cycles, top-down chains, memo DAGs hashed as keys and members, nesting at MAX_DEPTH and
 MAX_UNPROTECTED_DEPTH, long names, TUPLE2/3 over short frames, NEWOBJ_EX keyword dicts), each on both sides of
 its bound; mutated copies of it must also raise only this library's errors (fuzz/fuzz_snapshot.py seeds its

@@ -7,7 +7,7 @@ buffers and tensor views), wrapped into a snapshot with a few small buffers and 
 globals are enumerated at test time (``safe_globals()`` and ``default_registry().safe_globals()``), so the
 generator follows the code. Strings include attribute names and a sentinel path.
 
-It also writes the shapes the cost model of ``zerocopy_pickle/_trust/semantics.py`` (Note [The cost model]) bounds:
+It also writes the shapes the cost model of ``zerocopy_pickle/_trust/tags.py`` (Note [The cost model]) bounds:
 memo DAGs (a value memoized and referenced two or three times per level through BINGET/LONG_BINGET, nested
 into tuples, lists or frozensets: 2**k elements from a few bytes per level), the same value hashed many times
 through the memo (as dict keys by SETITEM/SETITEMS/DICT, set members by ADDITEMS, frozenset members), deep

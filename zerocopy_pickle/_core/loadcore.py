@@ -30,7 +30,8 @@ from .._devices import transfer
 from .._devices.device import MapLocation, check_targets, is_cpu, static_target
 from .._registry.registry import Registry, default_registry
 from .._trust import streamcheck
-from .._trust.restricted import AllowSpec, stream_uses
+from .._trust.entries import AllowSpec
+from .._trust.restricted import stream_uses
 from .._trust.semantics import StreamUses
 from ..errors import ArgumentError, SnapshotError, ZeroCopyPickleError
 from .pickler import ZeroCopyUnpickler

@@ -298,7 +298,7 @@ _OPCODES = {SETITEM: "SETITEM(S)", APPEND: "APPEND(S)", ADD: "ADDITEMS"}
 #   hash, and costs at most what hashing the smaller one did.) The safe set's functions charge what they walk
 #   or copy to the load's other budget (zerocopy_pickle.validate.charge).
 # * Names. GLOBAL and STACK_GLOBAL names are at most MAX_NAME_LENGTH characters, and every check of a name is
-#   linear in it (zerocopy_pickle._trust.restricted._module_blocked).
+#   linear in it (zerocopy_pickle._trust.blocklist._module_blocked).
 #
 # Everything else the analysis does is a constant amount of work per opcode, and its memory is a tag per
 # value the stream creates.
