@@ -31,15 +31,21 @@ from zerocopy_pickle._devices.plan import (
 from zerocopy_pickle._names import GlobalName
 from zerocopy_pickle._registry.discovery import resolve_name
 from zerocopy_pickle._storage import arena, format, integrity, progress, readahead, remote, sources
-from zerocopy_pickle._trust import restricted, safe_set, safe_tensors, semantics, streamcheck
-from zerocopy_pickle._trust.restricted import (
-    AllowList,
-    format_global,
-    is_blocked,
-    safe_globals,
-    scan_stream,
-    spell_allow,
+from zerocopy_pickle._trust import (
+    advice,
+    blocklist,
+    entries,
+    restricted,
+    safe_set,
+    safe_tensors,
+    semantics,
+    streamcheck,
+    tags,
 )
+from zerocopy_pickle._trust.advice import spell_allow
+from zerocopy_pickle._trust.blocklist import is_blocked
+from zerocopy_pickle._trust.entries import format_global
+from zerocopy_pickle._trust.restricted import AllowList, safe_globals, scan_stream
 from zerocopy_pickle._trust.safe_set import NN_BUILTIN_VALUES, safe_table
 from zerocopy_pickle._trust.safe_tensors import safe_rebuild_memory_format, safe_rebuild_wrapper_subclass
 from zerocopy_pickle._trust.streamcheck import DYNAMIC, MAX_MARKS, MAX_STACK, check_stream, walk_stream
@@ -60,14 +66,17 @@ __all__ = [
     "LoadPolicy",
     "Plan",
     "SourceFile",
+    "advice",
     "arena",
     "backend",
+    "blocklist",
     "check_stream",
     "cli",
     "coldread",
     "configure_logging",
     "console",
     "device",
+    "entries",
     "format",
     "format_global",
     "integrity",
@@ -98,6 +107,7 @@ __all__ = [
     "sources",
     "spell_allow",
     "streamcheck",
+    "tags",
     "transfer",
     "walk_stream",
 ]

@@ -1,6 +1,6 @@
 """Differential fuzz of the stream analysis: Python (:func:`zerocopy_pickle._trust.semantics.analyze`, after
 :func:`zerocopy_pickle._trust.streamcheck.check_stream`) against its native twin (``analyze_stream`` in
-csrc/zerocopy_native.cpp), on streams aimed at the cost model's rules (semantics' Note [The cost model]).
+csrc/zerocopy_native.cpp), on streams aimed at the cost model's rules (tags' Note [The cost model]).
 
 Each generator writes streams near one rule's edge, on both sides of it:
 
@@ -31,7 +31,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.internals import semantics
+from tests.internals import tags
 
 from .test_native_semantics import OK, Analyzer, analyzer, assert_agree
 from .test_opcode_programs import programs, write
@@ -41,9 +41,9 @@ __all__ = ["analyzer"]  # the fixture, imported for pytest
 SETTINGS = settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 SMALL = settings(max_examples=120, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
-MAX_DEPTH = semantics.MAX_DEPTH
-MAX_UNPROTECTED = semantics.MAX_UNPROTECTED_DEPTH
-MAX_NAME = semantics.MAX_NAME_LENGTH
+MAX_DEPTH = tags.MAX_DEPTH
+MAX_UNPROTECTED = tags.MAX_UNPROTECTED_DEPTH
+MAX_NAME = tags.MAX_NAME_LENGTH
 PROTO = b"\x80\x05"
 
 
@@ -213,8 +213,8 @@ def hashing_streams(draw: st.DrawFn) -> bytes:
     key, memo = dag(draw(st.sampled_from(DAG_BASES)), levels, op, 0)
     width = {"tuple2": 2, "tuple3": 3, "mark-tuple": 4, "frozenset": 2}[op]
     size = (width ** (levels + 1) - 1) // (width - 1) if width > 1 else levels + 1
-    near_budget = max(1, semantics.HASH_FLOOR // max(size, 1))
-    near_collisions = int((2 * semantics.COLLISION_FLOOR / max(size, 1)) ** 0.5) if size < 1 << 24 else 1
+    near_budget = max(1, tags.HASH_FLOOR // max(size, 1))
+    near_collisions = int((2 * tags.COLLISION_FLOOR / max(size, 1)) ** 0.5) if size < 1 << 24 else 1
     count = draw(
         st.one_of(
             st.integers(1, 3),

@@ -1,4 +1,4 @@
-"""The restricted load's cost model (semantics' Note [The cost model], docs/security.md "What a load may cost"):
+"""The restricted load's cost model (tags' Note [The cost model], docs/security.md "What a load may cost"):
 each attack class end to end through ``zp.loads``, the analysis cache's bound in bytes, and the name checks'
 linear cost, counted (never timed). The Python and native twins' agreement on every rule is in
 tests/test_native_semantics.py (CASES); random programs in tests/test_analysis_differential.py."""
@@ -11,7 +11,7 @@ import functools
 import pytest
 
 import zerocopy_pickle as zp
-from tests.internals import restricted, semantics, streamcheck
+from tests.internals import blocklist, semantics, streamcheck, tags
 from zerocopy_pickle import native
 
 from .hostile_streams import as_snapshot
@@ -63,12 +63,12 @@ def test_a_top_down_chain_of_defaultdicts_is_refused(backend: str) -> None:
 def test_a_bottom_up_chain_of_defaultdicts_is_bounded(backend: str) -> None:
     made = DEFAULTDICT + b"N\x85R"
     stream = made
-    for _ in range(semantics.MAX_UNPROTECTED_DEPTH):
+    for _ in range(tags.MAX_UNPROTECTED_DEPTH):
         stream = made + b"K\x00" + stream + b"s"
     with pytest.raises(zp.SnapshotError, match="frees that type recursively"):
         restricted_load(stream + b".", backend)
     shallow = made
-    for _ in range(semantics.MAX_UNPROTECTED_DEPTH - 2):
+    for _ in range(tags.MAX_UNPROTECTED_DEPTH - 2):
         shallow = made + b"K\x00" + shallow + b"s"
     loaded = restricted_load(shallow + b".", backend)
     assert isinstance(loaded, collections.defaultdict)
@@ -113,7 +113,7 @@ def test_a_memo_dag_that_is_not_hashed_loads(backend: str) -> None:
 
 def test_hashing_one_key_again_and_again_is_charged_every_time(backend: str) -> None:
     key = dag(12, b"\x8c\x01x")  # 8191 elements, memo 11 is t_11 (4095); a string leaf: hashed by a secret
-    repeats = semantics.HASH_FLOOR // 4095 + 10
+    repeats = tags.HASH_FLOOR // 4095 + 10
     stream = b"}" + key + b"Ns" + b"h\x0bNs" * repeats + b"."
     with pytest.raises(zp.SnapshotError, match="hash more elements"):
         restricted_load(stream, backend)
@@ -135,7 +135,7 @@ def test_keys_whose_hashes_the_stream_chooses_are_charged_for_collisions(backend
 
 @pytest.mark.parametrize("where", ["module", "qualname"])
 def test_names_longer_than_the_limit_are_refused(backend: str, where: str) -> None:
-    long = "a." * (semantics.MAX_NAME_LENGTH // 2) + "b"
+    long = "a." * (tags.MAX_NAME_LENGTH // 2) + "b"
     module, qualname = (long, "x") if where == "module" else ("collections", long)
     stream = b"c" + module.encode() + b"\n" + qualname.encode() + b"\n."
     with pytest.raises(zp.SnapshotError, match="characters long"):
@@ -153,21 +153,21 @@ class _CountingSet(frozenset[str]):
 
 
 def test_the_blocked_module_check_reads_a_bounded_part_of_the_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    counting = _CountingSet(restricted.BLOCKED_MODULES)
-    monkeypatch.setattr(restricted, "BLOCKED_MODULES", counting)
-    restricted._module_blocked.cache_clear()
+    counting = _CountingSet(blocklist.BLOCKED_MODULES)
+    monkeypatch.setattr(blocklist, "BLOCKED_MODULES", counting)
+    blocklist._module_blocked.cache_clear()
     try:
         for name in ("a." * 500_000, "a" * 1_000_000, "x" + ".a" * 300_000):
             _CountingSet.looked_up = 0
-            assert not restricted._module_blocked(name)
-            longest = restricted._LONGEST_BLOCKED
+            assert not blocklist._module_blocked(name)
+            longest = blocklist._LONGEST_BLOCKED
             assert _CountingSet.looked_up <= longest * longest  # not len(name)**2: one slice per dot, up to `longest`
-        assert restricted._module_blocked("os." + "a." * 100_000 + "b")
-        assert restricted._module_blocked("torch.utils.cpp_extension")
-        assert not restricted._module_blocked("torch.utils.cpp_extensions")
-        assert restricted._module_blocked("torch.utils.cpp_extension.x")
+        assert blocklist._module_blocked("os." + "a." * 100_000 + "b")
+        assert blocklist._module_blocked("torch.utils.cpp_extension")
+        assert not blocklist._module_blocked("torch.utils.cpp_extensions")
+        assert blocklist._module_blocked("torch.utils.cpp_extension.x")
     finally:
-        restricted._module_blocked.cache_clear()
+        blocklist._module_blocked.cache_clear()
 
 
 def test_refused_streams_do_not_fill_the_analysis_cache() -> None:

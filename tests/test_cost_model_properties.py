@@ -1,4 +1,4 @@
-"""The restricted load's cost model (zerocopy_pickle/_trust/semantics.py, Note [The cost model]) against what a load
+"""The restricted load's cost model (zerocopy_pickle/_trust/tags.py, Note [The cost model]) against what a load
 really does, measured by operation counters, never by the clock.
 
 * Hashing. A *replay* of the stream by pickle's pure-Python unpickler (``pickle._Unpickler``, the reference
@@ -10,10 +10,11 @@ really does, measured by operation counters, never by the clock.
   most ``max(HASH_FLOOR, HASH_PER_BYTE * len(stream))`` elements; a refusal is a SnapshotError or a
   RestrictedLoadError, and a refusal for the hashing budget of a stream of tuples only is one whose replay
   exceeds it (the model charges tuples exactly).
-* The analysis's own work. Lines of zerocopy_pickle/_trust/semantics.py executed while :func:`semantics.analyze`
-  runs (``sys.settrace``), per byte of stream, stay under one constant for every generated stream, from a few
-  bytes to hundreds of kilobytes: each opcode costs a bounded number of steps, and each item is visited a
-  bounded number of times (when put into a container, and when hashed), however it is referenced.
+* The analysis's own work. Lines of zerocopy_pickle/_trust/semantics.py and tags.py executed while
+  :func:`semantics.analyze` runs (``sys.settrace``), per byte of stream, stay under one constant for every
+  generated stream, from a few bytes to hundreds of kilobytes: each opcode costs a bounded number of steps, and
+  each item is visited a bounded number of times (when put into a container, and when hashed), however it is
+  referenced.
 * Resources. In a child process under ``RLIMIT_AS`` (set before exec), with a generous timeout that only
   guards against a hang: a top-down chain of 100,000 defaultdicts or deques (and a bottom-up one) is refused
   and the child exits normally, also when it keeps the exception and frees it later, and when the load runs in
@@ -41,7 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
-from tests.internals import semantics, streamcheck
+from tests.internals import semantics, streamcheck, tags
 from zerocopy_pickle.errors import RestrictedLoadError, SnapshotError
 
 from .conftest import REPO
@@ -53,7 +54,7 @@ HASH_BUDGET_WORDS = "hash more elements than its budget allows"
 
 
 def budget(stream: bytes) -> int:
-    return max(semantics.HASH_FLOOR, semantics.HASH_PER_BYTE * len(stream))
+    return max(tags.HASH_FLOOR, tags.HASH_PER_BYTE * len(stream))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -204,7 +205,7 @@ def hash_heavy(draw: st.DrawFn) -> tuple[bytes, bool]:
         if op in ("mark-tuple", "tuple3"):
             levels = min(levels, 12)
         size = dag_size(levels, op)
-        near = max(1, semantics.HASH_FLOOR // (size * containers))  # this container's share of the floor
+        near = max(1, tags.HASH_FLOOR // (size * containers))  # this container's share of the floor
         edge = st.integers(max(1, near - 2), near + 2)
         repeats = draw(st.one_of(st.integers(1, 4), edge, edge, st.integers(1, 60)))
         repeats = min(repeats, 5000)
@@ -247,7 +248,7 @@ def test_the_hashing_bound_is_tight_for_tuples() -> None:
     """Control: the same key, one repeat below and one above the floor, accepted then refused."""
     key = DAG(b"\x8c\x01s", 12, "tuple2")  # 8191 elements, strings: no collision charge
     size = dag_size(12, "tuple2")
-    fits = semantics.HASH_FLOOR // size
+    fits = tags.HASH_FLOOR // size
 
     def stream(repeats: int) -> bytes:
         return PROTO + b"}(" + key + b"\x94N" + (get(12) + b"N") * (repeats - 1) + b"u."
@@ -263,11 +264,12 @@ def test_the_hashing_bound_is_tight_for_tuples() -> None:
 # The analysis's own work: lines executed per byte
 # ---------------------------------------------------------------------------------------------------------
 
-SEMANTICS_FILE = semantics.__file__
+ANALYSIS_FILES = frozenset({semantics.__file__, tags.__file__})  # the opcode handlers, and the tags they build
 
 
 def lines_executed(function: Callable[[], object]) -> int:
-    """Lines of zerocopy_pickle/_trust/semantics.py that ``function()`` executes (an operation counter)."""
+    """Lines of zerocopy_pickle/_trust/semantics.py and tags.py that ``function()`` executes (an operation
+    counter)."""
     count = 0
 
     def local(frame: FrameType, event: str, arg: object) -> Any:
@@ -277,7 +279,7 @@ def lines_executed(function: Callable[[], object]) -> int:
         return local
 
     def tracer(frame: FrameType, event: str, arg: object) -> Any:
-        return local if frame.f_code.co_filename == SEMANTICS_FILE else None
+        return local if frame.f_code.co_filename in ANALYSIS_FILES else None
 
     old = sys.gettrace()
     sys.settrace(tracer)
@@ -290,9 +292,10 @@ def lines_executed(function: Callable[[], object]) -> int:
     return count
 
 
-# One opcode's dispatch runs through at most the whole if/elif chain (about 60 tests), and each item costs a
-# few lines where it is put into a container and where it is hashed. 120 lines a byte is about three times the
-# most seen (about 40, for a frame of DUP and POP, and for deep TUPLE1 nesting).
+# One opcode costs the loop's few lines and those of its one handler (a table lookup finds it), and each item
+# costs a few lines where it is put into a container and where it is hashed. 120 lines a byte is about six
+# times the most seen (about 20, for deep TUPLE1 nesting; about 40, for a frame of DUP and POP, when an if/elif
+# chain of about 60 tests dispatched the opcodes).
 LINES_PER_BYTE = 120
 
 
@@ -309,7 +312,7 @@ def big_streams(draw: st.DrawFn) -> bytes:
     elif kind == "hashed":
         body = b"}(" + DAG(b"\x8c\x01s", 3, "tuple2") + b"\x94N" + b"h\x03N" * n + b"u"
     elif kind == "deep":
-        body = b")" + b"\x85" * min(n, semantics.MAX_DEPTH + 5)
+        body = b")" + b"\x85" * min(n, tags.MAX_DEPTH + 5)
     elif kind == "names":
         body = b"(" + b"cm\n" + b"x" * 1000 + b"\n" + b"\x94" + b"h\x00" * n + b"l"
     elif kind == "dispatch":  # one-byte opcodes from the end of the dispatch chain
@@ -335,7 +338,7 @@ def test_the_analysis_does_a_bounded_amount_of_work_per_byte(stream: bytes) -> N
 def test_the_work_counter_counts_the_helpers_loops() -> None:
     """Control: the counter counts the lines of the helpers' loops over items too (so a walk over the whole
     stack at every opcode would show), here _container over a frame of 1,000 items."""
-    counted = lines_executed(lambda: semantics._container(semantics._TUPLE, [semantics._PRIM_TAG] * 1000, 0))
+    counted = lines_executed(lambda: tags._container(tags._TUPLE, [tags._PRIM_TAG] * 1000, 0))
     assert counted >= 3 * 1000
 
 
@@ -496,14 +499,14 @@ def test_a_5_mb_dotted_module_name_is_refused_and_scanned(tmp_path: Path) -> Non
 def test_a_deep_tuple_key_is_refused_without_a_crash_even_in_a_small_thread(tmp_path: Path, where: str) -> None:
     """A dict key nested MAX_DEPTH (5,000) deep: hashing it recursed in C and crashed a 256 KiB thread; keys are
     now refused deeper than MAX_KEY_DEPTH, and one just within it loads in that thread."""
-    deep = b"}" + b")" + b"\x85" * (semantics.MAX_DEPTH - 2) + b"Ns."
+    deep = b"}" + b")" + b"\x85" * (tags.MAX_DEPTH - 2) + b"Ns."
     path = tmp_path / "deep-key.zcp"
     path.write_bytes(as_snapshot(PROTO + deep))
     proc = run_child(CHAIN_CHILD, str(path), where)
     assert_exited(proc)
     assert "REFUSED SnapshotError" in proc.stdout and "as a dict key or set member" in proc.stdout, proc.stdout
     assert proc.stdout.rstrip().endswith("FREED")
-    within = b"}" + b")" + b"\x85" * (semantics.MAX_KEY_DEPTH - 1) + b"Ns."
+    within = b"}" + b")" + b"\x85" * (tags.MAX_KEY_DEPTH - 1) + b"Ns."
     path.write_bytes(as_snapshot(PROTO + within))
     proc = run_child(CHAIN_CHILD, str(path), where)
     assert_exited(proc)

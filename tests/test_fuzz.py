@@ -4,7 +4,7 @@
 everywhere: any input is either loaded or refused with this library's error; never a crash, a hang, another
 exception type, or a stream check that disagrees with its thorough twin.
 
-:data:`COST_MODEL_STREAMS` is the hostile corpus of the analysis's cost model (semantics' Note [The cost
+:data:`COST_MODEL_STREAMS` is the hostile corpus of the analysis's cost model (tags' Note [The cost
 model]: late fills and cycles, top-down chains, memo DAGs hashed as keys and members, nesting at MAX_DEPTH and
 MAX_UNPROTECTED_DEPTH, long names, TUPLE2/3 over short frames, NEWOBJ_EX keyword dicts), each on both sides of
 its bound; mutated copies of it must also raise only this library's errors (fuzz/fuzz_snapshot.py seeds its
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
-from tests.internals import check_stream, semantics, walk_stream
+from tests.internals import check_stream, semantics, tags, walk_stream
 from tests.internals import format as fmt
 
 from .test_hostile import as_snapshot
@@ -169,9 +169,9 @@ def _defaultdicts(n: int) -> bytes:
     return (made + b"K\x00") * n + made + b"s" * n
 
 
-_DEPTH = semantics.MAX_DEPTH
-_UNPROTECTED = semantics.MAX_UNPROTECTED_DEPTH
-_NAME = semantics.MAX_NAME_LENGTH
+_DEPTH = tags.MAX_DEPTH
+_UNPROTECTED = tags.MAX_UNPROTECTED_DEPTH
+_NAME = tags.MAX_NAME_LENGTH
 _OBJ = b"cbuiltins\nobject\n"
 COST_MODEL_STREAMS = {
     name: b"\x80\x05" + body + b"."

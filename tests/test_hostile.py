@@ -17,6 +17,7 @@ import io
 import marshal
 import os
 import pickle
+import re
 import struct
 import sys
 import types
@@ -28,7 +29,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from tests.internals import DYNAMIC, MAX_MARKS, MAX_STACK, is_blocked, safe_globals
+from tests.internals import DYNAMIC, MAX_MARKS, MAX_STACK, check_stream, is_blocked, safe_globals
 from tests.internals import format as fmt
 
 
@@ -305,6 +306,32 @@ def test_absurd_lengths(opcode: bytes) -> None:
 def test_frame_past_the_end() -> None:
     with pytest.raises(zp.SnapshotError, match="FRAME"):
         zp.loads(as_snapshot(b"\x80\x05\x95" + struct.pack("<Q", 2**40) + b"N."))
+
+
+# An opcode that takes its operands from below its MARK: the bounds check counts the stack across frames and
+# passes these, and the analysis finds the frame empty (as the C unpickler does) and names the opcode's offset.
+_BELOW_THE_MARK = {
+    "MEMOIZE": (b"N(\x94" + b"1.", 4, "IndexError (list index out of range)"),
+    "DUP": (b"N(2" + b"1.", 4, "IndexError (list index out of range)"),
+    "TUPLE1": (b"N(\x85" + b"1.", 4, "IndexError (list index out of range)"),
+    "TUPLE2": (b"N(N\x86" + b"1.", 5, "IndexError (list index out of range)"),
+    "REDUCE": (b"cbuiltins\nlist\n()R" + b"1.", 19, "IndexError (list index out of range)"),
+    "SETITEM": (b"}(NNs" + b"1.", 6, "IndexError (list index out of range)"),
+    "BUILD": (b"cbuiltins\nlist\n)R(Nb" + b"1.", 21, "IndexError (list index out of range)"),
+    "STACK_GLOBAL": (b"\x8c\x01a(\x8c\x01b\x93" + b"1.", 9, "IndexError (pop from empty list)"),
+    "NEWOBJ_EX": (b"cbuiltins\nlist\n)(}\x92" + b"1.", 20, "IndexError (pop from empty list)"),
+    "READONLY_BUFFER": (b"\x97(\x98" + b"1.", 4, "IndexError (list index out of range)"),
+}
+
+
+@pytest.mark.parametrize("opcode", sorted(_BELOW_THE_MARK))
+def test_an_opcode_reaching_below_its_mark_is_malformed(opcode: str) -> None:
+    body, offset, cause = _BELOW_THE_MARK[opcode]
+    stream = b"\x80\x05" + body
+    check_stream(stream)  # the bounds check passes it: the analysis's handler for the opcode is what refuses
+    message = f"the pickle stream is malformed at byte {offset}: {cause} while checking what it does"
+    with pytest.raises(zp.SnapshotError, match=re.escape(message)):
+        zp.loads(as_snapshot(stream))
 
 
 def test_amplifying_constructors_are_not_in_the_safe_set() -> None:

@@ -282,7 +282,7 @@ CASES: dict[str, tuple[bytes, int]] = {
     "memoize-empty-frame": (b"N(\x94.", MALFORMED),
     "too-deep-tuple1": (b")" + b"\x85" * DEEP + b".", TOO_DEEP),
     "deep-tuple1-ok": (b")" + b"\x85" * (DEEP - 1) + b".", OK),
-    # The cost model (semantics' Note [The cost model]).
+    # The cost model (tags' Note [The cost model]).
     "self-append": (b"]\x94" + b"h\x00a" * (DEEP + 1) + b".", REFUSED),  # filled after it was nested
     "self-append-once": (b"]\x94h\x00a.", OK),
     "self-append-twice": (b"]\x94h\x00ah\x00a.", REFUSED),

@@ -7,7 +7,7 @@ buffers and tensor views), wrapped into a snapshot with a few small buffers and 
 globals are enumerated at test time (``safe_globals()`` and ``default_registry().safe_globals()``), so the
 generator follows the code. Strings include attribute names and a sentinel path.
 
-It also writes the shapes the cost model of ``zerocopy_pickle/_trust/semantics.py`` (Note [The cost model]) bounds:
+It also writes the shapes the cost model of ``zerocopy_pickle/_trust/tags.py`` (Note [The cost model]) bounds:
 memo DAGs (a value memoized and referenced two or three times per level through BINGET/LONG_BINGET, nested
 into tuples, lists or frozensets: 2**k elements from a few bytes per level), the same value hashed many times
 through the memo (as dict keys by SETITEM/SETITEMS/DICT, set members by ADDITEMS, frozenset members), deep
@@ -44,7 +44,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
-from tests.internals import safe_globals, semantics
+from tests.internals import safe_globals, tags
 from zerocopy_pickle.plugin import default_registry
 
 from .conftest import REPO
@@ -116,8 +116,8 @@ def all_globals() -> list[tuple[str, str]]:
 # and ("global", pair, "V"): STACK_GLOBAL from raw-unicode-escape UNICODE strings.
 Node = tuple[Any, ...]
 
-MAX_NAME = semantics.MAX_NAME_LENGTH
-MAX_UNPROTECTED = semantics.MAX_UNPROTECTED_DEPTH
+MAX_NAME = tags.MAX_NAME_LENGTH
+MAX_UNPROTECTED = tags.MAX_UNPROTECTED_DEPTH
 HASH_WAYS = ("setitem", "setitems", "dict", "additems", "frozenset")
 DAG_OPS = ("\x86", "\x87", "t", "l", "\x91")  # TUPLE2, TUPLE3, MARK..TUPLE, MARK..LIST, MARK..FROZENSET
 TOPDOWN_KINDS = ("list", "dict", "set", "deque", "defaultdict", "OrderedDict", "Counter-build")
@@ -199,7 +199,7 @@ def programs() -> st.SearchStrategy[Node]:
     counts = st.one_of(st.integers(1, 4), st.integers(100, 400), st.sampled_from([2000, 20_000]))
     depths = st.one_of(
         st.integers(0, 8),
-        st.integers(semantics.MAX_DEPTH - 3, semantics.MAX_DEPTH + 2),
+        st.integers(tags.MAX_DEPTH - 3, tags.MAX_DEPTH + 2),
         st.integers(MAX_UNPROTECTED - 2, MAX_UNPROTECTED + 2),
     )
 
@@ -586,9 +586,9 @@ def test_the_generator_writes_the_cost_model_s_shapes() -> None:
     key: Node = ("dag", ("prim", "s"), 12, 2, "\x86")
     assert _verdict(("hashed", "setitems", key, 100, none)) is not zp.SnapshotError
     assert _verdict(("hashed", "setitems", key, 300, none)) is zp.SnapshotError
-    assert _verdict(("deep", ("prim", 1), semantics.MAX_DEPTH, "tuple1")) is not zp.SnapshotError
-    assert _verdict(("deep", ("prim", 1), semantics.MAX_DEPTH + 1, "tuple1")) is zp.SnapshotError
-    assert _verdict(("deep", ("prim", 1), semantics.MAX_DEPTH + 1, "list")) is zp.SnapshotError
+    assert _verdict(("deep", ("prim", 1), tags.MAX_DEPTH, "tuple1")) is not zp.SnapshotError
+    assert _verdict(("deep", ("prim", 1), tags.MAX_DEPTH + 1, "tuple1")) is zp.SnapshotError
+    assert _verdict(("deep", ("prim", 1), tags.MAX_DEPTH + 1, "list")) is zp.SnapshotError
     for name in ("deque", "defaultdict"):
         for stack in (False, True, "V"):
             assert _verdict(("chain", name, MAX_UNPROTECTED - 2, stack)) is not zp.SnapshotError, (name, stack)

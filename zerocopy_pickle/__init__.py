@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     )
     from ._devices.transfer import to_device
     from ._storage.readahead import Prefetch
-    from ._trust.restricted import allow_function
+    from ._trust.entries import allow_function
 
 # The library logs under "zerocopy_pickle" (docs/usage.md, "Logging") and leaves where records go to the
 # application: this handler only stops Python's last-resort handler from printing them when none is configured.
@@ -74,7 +74,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 # Imported on first use (PEP 562), so that importing a submodule that needs no torch (the model cache's server,
 # zerocopy_pickle.errors) does not import torch either.
 _LAZY = {
-    "allow_function": "_trust.restricted",
+    "allow_function": "_trust.entries",
     "ZeroCopyPickler": "_core.pickler",
     "ZeroCopyUnpickler": "_core.pickler",
     "BACKENDS": "_core.dumping",

@@ -92,7 +92,7 @@ environment:
 def _inspect(args: argparse.Namespace) -> int:
     from ._core.snapshot import Snapshot, scan
     from ._storage import integrity
-    from ._trust.restricted import format_global
+    from ._trust.entries import format_global
 
     with Snapshot.open(args.file) as snap:
         header = snap.header
@@ -162,7 +162,8 @@ def _inspect(args: argparse.Namespace) -> int:
 def _scan(args: argparse.Namespace) -> int:
     from ._core.loadcore import admit_stream
     from ._storage import integrity, sources
-    from ._trust.restricted import format_global, scan_stream
+    from ._trust.entries import format_global
+    from ._trust.restricted import scan_stream
 
     opened = sources.open_source(args.file, sources.INSPECT, what="scan")
     header = opened.header
@@ -230,7 +231,9 @@ def _statuses(
     about the name: a stream refused for what it does with an allowed global (calls a dtype) keeps it ``allowed``.
     """
     from ._core.pickler import ZeroCopyUnpickler
-    from ._trust.restricted import is_blocked, refusal_message, safe_globals
+    from ._trust.advice import refusal_message
+    from ._trust.blocklist import is_blocked
+    from ._trust.restricted import safe_globals
 
     allow_list = ZeroCopyUnpickler(
         io.BytesIO(stream), buffers=[], allow=allow, plugins=[name for name, _ in plugins]

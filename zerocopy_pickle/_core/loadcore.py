@@ -33,7 +33,8 @@ from .._devices.device import MapLocation, Targets, is_cpu
 from .._devices.plan import SourceFile
 from .._registry.registry import Registry, default_registry
 from .._trust import streamcheck
-from .._trust.restricted import AllowSpec, stream_uses
+from .._trust.entries import AllowSpec
+from .._trust.restricted import stream_uses
 from .._trust.semantics import StreamUses
 from ..errors import ArgumentError, SnapshotError, ZeroCopyPickleError
 from .pickler import ZeroCopyUnpickler

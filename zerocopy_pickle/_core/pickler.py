@@ -38,7 +38,8 @@ from .._devices.device import MapLocation, Targets
 from .._names import GlobalName
 from .._registry.registry import Registry, default_registry
 from .._storage.format import BufferSpec, PluginRef
-from .._trust.restricted import AllowList, AllowSpec, stream_uses
+from .._trust.entries import AllowSpec
+from .._trust.restricted import AllowList, stream_uses
 from .._trust.semantics import StreamUses
 from ..errors import ArgumentError, RestrictedLoadError, SnapshotError, Unpicklable, ZeroCopyPickleError
 
@@ -495,7 +496,7 @@ class ZeroCopyUnpickler(pickle.Unpickler):
             :class:`~zerocopy_pickle._devices.device.Targets` of it).
         trusted: resolve every global (full pickle; runs whatever code the stream names).
         allow: further globals for this unpickler only: classes, values, ``"module:qualname"`` strings, and
-            :func:`~zerocopy_pickle._trust.restricted.allow_function` entries for functions the stream may call.
+            :func:`~zerocopy_pickle._trust.entries.allow_function` entries for functions the stream may call.
         encoding, errors, fix_imports: as for ``pickle.Unpickler``.
         registry: whose plugins' safe globals to allow (default: the process's registry).
         plugins: the names of the plugins whose safe globals this stream may use (a snapshot header's list);

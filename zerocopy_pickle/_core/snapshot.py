@@ -26,7 +26,8 @@ from typing import IO, Any, Union
 from .._devices.device import MapLocation, Targets, is_cpu
 from .._registry.registry import Registry
 from .._storage import arena, format, integrity, progress, readahead, remote, sources
-from .._trust.restricted import AllowSpec, scan_stream
+from .._trust.entries import AllowSpec
+from .._trust.restricted import scan_stream
 from ..errors import ArgumentError, SnapshotError, ZeroCopyPickleError
 from . import loadcore
 from .dumping import Prepared, warn_if_trusted_only

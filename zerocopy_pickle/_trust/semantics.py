@@ -23,15 +23,19 @@ will hold is known exactly. The analysis refuses, with the byte offset:
   result, ADDITEMS except on a set or a call's result;
 * STACK_GLOBAL whose names are not string literals, extension codes (EXT1/2/4), persistent IDs;
 * filling a container, or setting an object's state, after the value was put into another one (see Note [The
-  cost model]): what pickle itself writes only for a reference cycle, and what lets a stream nest values
-  deeper than any depth it was charged for.
+  cost model] in :mod:`zerocopy_pickle._trust.tags`): what pickle itself writes only for a reference cycle, and
+  what lets a stream nest values deeper than any depth it was charged for.
 
-and it enforces the cost model (Note [The cost model]), raising :class:`~zerocopy_pickle.errors.SnapshotError`
-for values nested deeper than :data:`MAX_DEPTH` (hashing a deeply nested tuple recurses in C without a limit),
-deques and defaultdicts nested deeper than :data:`MAX_UNPROTECTED_DEPTH`, dict keys and set members nested
-deeper than :data:`MAX_KEY_DEPTH`, names longer than
-:data:`MAX_NAME_LENGTH`, and a stream that makes the unpickler hash more than its budget of elements
-(:data:`HASH_FLOOR`, :data:`HASH_PER_BYTE`).
+and it enforces the cost model, whose tags and bounds are :mod:`zerocopy_pickle._trust.tags`'s, raising
+:class:`~zerocopy_pickle.errors.SnapshotError` for values nested deeper than ``MAX_DEPTH`` (hashing a deeply
+nested tuple recurses in C without a limit), deques and defaultdicts nested deeper than
+``MAX_UNPROTECTED_DEPTH``, dict keys and set members nested deeper than ``MAX_KEY_DEPTH``, names longer than
+``MAX_NAME_LENGTH``, and a stream that makes the unpickler hash more than its budget of elements
+(``HASH_FLOOR``, ``HASH_PER_BYTE``).
+
+:func:`analyze` reads the stream one opcode at a time and hands each to its handler, found in a table by the
+opcode byte: one per opcode family (the stack, frames and memo; numbers, strings and bytes; tuples and the
+containers pickle builds and fills; globals, calls and BUILD; out-of-band buffers and what is never run).
 
 What remains depends on the allow-list and is decided per load by
 :meth:`zerocopy_pickle._trust.restricted.AllowList.admit` from the returned :class:`StreamUses`: which globals are
@@ -41,92 +45,48 @@ the stream's bytes alone, so :func:`uses` remembers it by the stream's BLAKE2b d
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import RestrictedLoadError, SnapshotError
+from ..errors import SnapshotError
 from . import streamcheck
-
-MAX_DEPTH = 5_000
-"""Deepest nesting of values a restricted load accepts. pickle.dump itself stops near the recursion limit
-(1,000 by default); hashing a tuple nested 150,000 deep overflows the C stack."""
-MAX_UNPROTECTED_DEPTH = 200
-"""Deepest nesting of a ``collections.deque`` or ``collections.defaultdict`` (counting every level below it).
-CPython frees these two without its "trashcan" (which turns a deep chain of lists, dicts, tuples, sets and
-instances into a loop), so freeing a chain of them recurses in C: 100,000 defaultdicts crash an 8 MiB stack,
-and a thread's stack can be far smaller."""
-MAX_KEY_DEPTH = 100
-"""Deepest nesting of a dict key or set member (a value CPython hashes, and compares on a collision). Hashing a
-tuple recurses in C, one frame per level, and a thread may run with a small stack (``threading.stack_size``):
-a key nested a few thousand deep crashed a 256 KiB thread. Keys that real pickles hold are a few levels deep."""
-MAX_NAME_LENGTH = 1_024
-"""Longest module name, and longest qualified name, of a global (in characters). The longest in torch,
-transformers and diffusers are under 120."""
-HASH_FLOOR = 1 << 20
-"""Elements the unpickler may hash (dict keys, set and frozenset members, counted expanded: a tuple of n items
-costs 1 + theirs) in any restricted load, whatever its stream's size."""
-HASH_PER_BYTE = 4
-"""Elements it may hash per byte of stream, above :data:`HASH_FLOOR`."""
-COLLISION_FLOOR = 1 << 25
-"""Comparisons that keys with colliding hashes may cost in any restricted load (see Note [The cost model]):
-every key whose hash the stream can choose (a float, an int beyond 2**55, a tuple or frozenset of them or of
-small ints, a call's result) costs, on insertion, the number of such keys already in its dict or set times its
-expanded size. 2**25 is about half a second of comparisons, and 8,192 such keys in one dict."""
-_SIZE_CAP = (1 << 40) - 1  # expanded sizes saturate here: above every budget (the native twin keeps 40 bits)
-_UNPROTECTED = frozenset({("collections", "deque"), ("collections", "defaultdict")})
-
-BUILD, SETITEM, APPEND, ADD = "build", "setitem", "append", "add"
-
-# Tag kinds.
-_PRIM, _STR, _BYTES, _TUPLE, _LIST, _DICT, _SET, _FROZENSET, _GLOBAL, _RESULT, _BUFFER = range(11)
-# How a value hashes (`hashk`): by a secret (str, bytes, buffers; also ids, and unhashable containers), to a
-# known distinct value (small ints, None, bools, the empty tuple), or to one the stream can make collide.
-_SECRET, _KNOWN, _CHOSEN = range(3)
-_KIND_NAMES = (
-    "a number or constant",
-    "a string",
-    "bytes",
-    "a tuple",
-    "a list",
-    "a dict",
-    "a set",
-    "a frozenset",
-    "a global",
-    "a call's result",
-    "a buffer",
+from .tags import (
+    _BUFFER,
+    _BUFFER_TAG,
+    _BYTES,
+    _BYTES_TAG,
+    _CHOSEN,
+    _CHOSEN_TAG,
+    _DICT,
+    _FROZENSET,
+    _GLOBAL,
+    _HASHK,
+    _KNOWN,
+    _LIST,
+    _PRIM,
+    _PRIM_TAG,
+    _RESULT,
+    _SET,
+    _SIZE_CAP,
+    _STR,
+    _TUPLE,
+    _UNKNOWN_STR,
+    ADD,
+    APPEND,
+    BUILD,
+    MAX_DEPTH,
+    SETITEM,
+    _container,
+    _grow,
+    _Hashing,
+    _mutate,
+    _name_pair,
+    _refuse,
+    _result,
+    _Tag,
+    _too_deep,
 )
-
-
-class _Tag:
-    """Where a stack value came from. Containers' ``depth`` is their nesting so far, ``size`` their expanded
-    size so far (1 for a value that holds no other; a container 1 + its items', counting a value every time it
-    is referenced), ``nested`` whether it was put into another value (see Note [The cost model])."""
-
-    __slots__ = ("built", "chosen", "depth", "hashk", "kind", "nested", "pair", "size")
-
-    def __init__(self, kind: int, pair: Any = None, depth: int = 0, size: int = 1, hashk: int = _SECRET) -> None:
-        self.kind = kind
-        self.pair = pair  # a global's (module, qualname); a string's text (None if unknown)
-        self.depth = depth
-        self.size = size
-        self.hashk = hashk
-        self.built = False  # BUILD has set state on it (see Note [One BUILD, and nothing appended after it])
-        self.nested = False
-        self.chosen = 0  # keys of chosen hash this dict or set (or object) received
-
-    def describe(self) -> str:
-        if self.kind in (_GLOBAL, _RESULT) and self.pair is not None:
-            what = f"{self.pair[0]}:{self.pair[1]}"
-            return f"the global {what}" if self.kind == _GLOBAL else f"the result of calling {what}"
-        return _KIND_NAMES[self.kind]
-
-
-_PRIM_TAG = _Tag(_PRIM, hashk=_KNOWN)
-_CHOSEN_TAG = _Tag(_PRIM, hashk=_CHOSEN)  # floats
-_BYTES_TAG = _Tag(_BYTES)
-_BUFFER_TAG = _Tag(_BUFFER)
-_UNKNOWN_STR = _Tag(_STR, None)
 
 
 @dataclass(frozen=True)
@@ -149,157 +109,6 @@ class StreamUses:
     next_buffers: int
 
 
-def _refuse(pos: int, message: str) -> RestrictedLoadError:
-    return RestrictedLoadError(
-        f"refusing to load: at byte {pos} of the pickle stream, {message}. A restricted load never allows this, "
-        f"whatever allow= says; only trusted=True loads such a stream (do that only if you trust its source)",
-        refused=("<stream>", f"byte {pos}"),
-        trusted_only=(f"at byte {pos}, {message}",),
-    )
-
-
-def _too_deep(pos: int) -> SnapshotError:
-    return SnapshotError(
-        f"the pickle stream nests values more than {MAX_DEPTH} levels deep (at byte {pos}); no pickler writes "
-        f"that, and hashing such a value would overflow the C stack"
-    )
-
-
-def _too_deep_unprotected(pos: int, pair: tuple[str, str]) -> SnapshotError:
-    return SnapshotError(
-        f"the pickle stream nests values more than {MAX_UNPROTECTED_DEPTH} levels deep below a "
-        f"{pair[0]}.{pair[1]} (at byte {pos}); CPython frees that type recursively, so freeing a deep chain of "
-        f"them would overflow the C stack"
-    )
-
-
-def _filled_late(pos: int, opcode: str, target: _Tag) -> RestrictedLoadError:
-    return _refuse(
-        pos,
-        f"{opcode} fills {target.describe()} after it was put into another value (pickle writes that only for "
-        f"a reference cycle; it would let the stream nest values deeper than the analysis can bound)",
-    )
-
-
-def _long_name(pos: int, what: str, name: str) -> SnapshotError:
-    return SnapshotError(
-        f"the pickle stream names a global whose {what} is {len(name)} characters long (at byte {pos}); a "
-        f"restricted load accepts names of at most {MAX_NAME_LENGTH}"
-    )
-
-
-def _name_pair(module: str, qualname: str, pos: int) -> tuple[str, str]:
-    if len(module) > MAX_NAME_LENGTH:
-        raise _long_name(pos, "module name", module)
-    if len(qualname) > MAX_NAME_LENGTH:
-        raise _long_name(pos, "qualified name", qualname)
-    return module, qualname
-
-
-def _container(kind: int, items: list[_Tag], pos: int) -> _Tag:
-    depth = 0
-    size = 1
-    hashk = 0
-    for item in items:
-        item.nested = True
-        if item.depth > depth:  # noqa: PLR1730 - cheaper than max() on this hot path
-            depth = item.depth
-        size += item.size
-        hashk |= 1 << item.hashk
-    if depth >= MAX_DEPTH:
-        raise _too_deep(pos)
-    hashk = _HASHK[hashk] if kind == _TUPLE else _FROZEN_HASHK[hashk] if kind == _FROZENSET else _SECRET
-    return _Tag(kind, None, depth + 1, min(size, _SIZE_CAP), hashk)
-
-
-# A tuple's or frozenset's hashk from the bit set of its items' (1 << hashk): chosen if any item is chosen or
-# all are known (their hashes combine into any value the stream wants), secret if a secret one is in it and no
-# chosen one, known if empty.
-_HASHK = tuple(
-    _CHOSEN if bits & (1 << _CHOSEN) or bits == 1 << _KNOWN else _KNOWN if not bits else _SECRET for bits in range(8)
-)
-# A frozenset's hash XORs its members' (shuffled) hashes, so a secret member common to many sets cancels out:
-# chosen if any member is known or chosen.
-_FROZEN_HASHK = tuple(
-    _CHOSEN if bits & ((1 << _CHOSEN) | (1 << _KNOWN)) else _KNOWN if not bits else _SECRET for bits in range(8)
-)
-
-
-def _result(pair: tuple[str, str], depth: int, size: int, pos: int) -> _Tag:
-    """The tag of what calling ``pair`` returns, its arguments ``depth`` deep and ``size`` large (its hash is
-    the class's to choose: counted as chosen)."""
-    if depth > MAX_UNPROTECTED_DEPTH and pair in _UNPROTECTED:
-        raise _too_deep_unprotected(pos, pair)
-    return _Tag(_RESULT, pair, depth, min(size, _SIZE_CAP), _CHOSEN)
-
-
-def _grow(target: _Tag, items: list[_Tag], pos: int, opcode: str) -> None:
-    if target.nested:
-        raise _filled_late(pos, opcode, target)
-    depth = target.depth
-    size = target.size
-    for item in items:
-        item.nested = True
-        if item.depth >= depth:
-            depth = item.depth + 1
-        size += item.size
-    if depth > MAX_DEPTH:
-        raise _too_deep(pos)
-    if target.kind == _RESULT and depth > MAX_UNPROTECTED_DEPTH and target.pair in _UNPROTECTED:
-        raise _too_deep_unprotected(pos, target.pair)
-    target.depth = depth
-    target.size = min(size, _SIZE_CAP)
-
-
-class _Hashing:
-    """The elements the unpickler will hash, counted against the stream's budget (Note [The cost model])."""
-
-    __slots__ = ("colliding", "left")
-
-    def __init__(self, stream_nbytes: int) -> None:
-        self.left = max(HASH_FLOOR, HASH_PER_BYTE * stream_nbytes)
-        self.colliding = max(COLLISION_FLOOR, HASH_PER_BYTE * stream_nbytes)
-
-    def charge(self, items: list[_Tag], step: int, pos: int, target: _Tag) -> None:
-        """``target`` hashes every ``step``-th of ``items`` (its keys or members)."""
-        spent = 0
-        chosen = target.chosen
-        compared = 0
-        for item in items[::step]:
-            if item.depth > MAX_KEY_DEPTH:
-                raise SnapshotError(
-                    f"the pickle stream uses a value nested {item.depth} levels deep as a dict key or set member "
-                    f"(at byte {pos}); a restricted load hashes values at most {MAX_KEY_DEPTH} levels deep (hashing "
-                    f"recurses in C, and a thread's stack can be small); only trusted=True loads it"
-                )
-            spent += item.size
-            if item.hashk == _CHOSEN:
-                compared += chosen * item.size
-                chosen += 1
-        target.chosen = chosen
-        self.colliding -= compared
-        if self.colliding < 0:
-            raise SnapshotError(
-                f"the pickle stream puts more keys whose hashes it can choose into one dict or set than a "
-                f"restricted load compares (at byte {pos}: floats, large ints, tuples of numbers or objects as "
-                f"keys or members; if they all collided, inserting them would take time quadratic in their "
-                f"number); a restricted load allows max({COLLISION_FLOOR}, {HASH_PER_BYTE} x the stream's size) "
-                f"comparisons, about {_keys_allowed()} such keys in one dict; only trusted=True loads it"
-            )
-        self.left -= spent
-        if self.left < 0:
-            raise SnapshotError(
-                f"the pickle stream makes the unpickler hash more elements than its budget allows (at byte {pos}: "
-                f"dict keys and set members, counted with everything they hold, each time a memo reference "
-                f"repeats them); a restricted load hashes at most max({HASH_FLOOR}, {HASH_PER_BYTE} x the "
-                f"stream's size in bytes)"
-            )
-
-
-def _keys_allowed() -> int:
-    return int((2 * COLLISION_FLOOR) ** 0.5)
-
-
 def _line(data: bytes, pos: int) -> tuple[bytes, int]:
     end = data.index(b"\n", pos)
     return data[pos:end], end + 1
@@ -311,332 +120,448 @@ def analyze(stream: bytes) -> StreamUses:
 
     Raises:
         RestrictedLoadError: the stream does something no restricted load allows (naming the opcode and offset).
-        SnapshotError: it is malformed, or nests values deeper than :data:`MAX_DEPTH`.
+        SnapshotError: it is malformed, or breaks a bound of the cost model (:mod:`zerocopy_pickle._trust.tags`).
     """
-    data = stream
-    end = len(data)
-    pos = 0
-    stack: list[_Tag] = []
-    metastack: list[list[_Tag]] = []
-    memo: dict[int, _Tag] = {}
-    found: dict[tuple[str, str], None] = {}
-    called: set[tuple[str, str]] = set()
-    instantiated: set[tuple[str, str]] = set()
-    mutated: dict[tuple[str, str], set[str]] = {}
-    buffers = 0
-    from_bytes = int.from_bytes
-    strings: dict[bytes, _Tag] = {}
-    hashing = _Hashing(end)
-    start = 0
-    try:
-        while pos < end:
-            start = pos
-            op = data[pos]
-            pos += 1
-            # Ordered by how often snapshot streams use each opcode.
-            if op == 0x94:  # MEMOIZE
-                memo[len(memo)] = stack[-1]
-            elif op == 0x4B:  # BININT1
-                pos += 1
-                stack.append(_PRIM_TAG)
-            elif op == 0x68:  # BINGET
-                stack.append(memo[data[pos]])
-                pos += 1
-            elif op == 0x8C:  # SHORT_BINUNICODE (one immutable tag per distinct string)
-                n = data[pos]
-                raw = data[pos + 1 : pos + 1 + n]
-                tag = strings.get(raw)
-                if tag is None:
-                    tag = strings[raw] = _Tag(_STR, raw.decode("utf-8", "surrogatepass"))
-                stack.append(tag)
-                pos += 1 + n
-            elif op == 0x52:  # REDUCE
-                args = stack.pop()
-                func = stack[-1]
-                if func.kind != _GLOBAL:
-                    raise _refuse(
-                        start, f"REDUCE calls {func.describe()}; only a global the stream names may be called"
-                    )
-                if args.kind != _TUPLE:
-                    raise _refuse(start, f"REDUCE passes {args.describe()} as the argument tuple")
-                called.add(func.pair)
-                args.nested = True
-                stack[-1] = _result(func.pair, args.depth + 1, args.size + 1, start)
-            elif op == 0x85:  # TUPLE1
-                item = stack[-1]
-                if item.depth >= MAX_DEPTH:
-                    raise _too_deep(start)
-                item.nested = True
-                stack[-1] = _Tag(_TUPLE, None, item.depth + 1, min(item.size + 1, _SIZE_CAP), _HASHK[1 << item.hashk])
-            elif op == 0x28:  # MARK
-                metastack.append(stack)
-                stack = []
-            elif op == 0x97:  # NEXT_BUFFER
-                buffers += 1
-                stack.append(_BUFFER_TAG)
-            elif op == 0x86:  # TUPLE2
-                second = stack.pop()
-                first = stack[-1]
-                depth = first.depth
-                if second.depth > depth:  # noqa: PLR1730 - cheaper than max() on this hot path
-                    depth = second.depth
-                if depth >= MAX_DEPTH:
-                    raise _too_deep(start)
-                first.nested = second.nested = True
-                stack[-1] = _Tag(
-                    _TUPLE,
-                    None,
-                    depth + 1,
-                    min(first.size + second.size + 1, _SIZE_CAP),
-                    _HASHK[(1 << first.hashk) | (1 << second.hashk)],
-                )
-            elif op in (0x88, 0x89, 0x4E):  # NEWTRUE, NEWFALSE, NONE
-                stack.append(_PRIM_TAG)
-            elif op == 0x74:  # TUPLE
-                items = stack
-                stack = metastack.pop()
-                stack.append(_container(_TUPLE, items, start))
-            elif op == 0x87:  # TUPLE3
-                if len(stack) < 3:
-                    raise SnapshotError(f"the pickle stream is malformed at byte {start}: TUPLE3 needs 3 items")
-                stack[-3:] = [_container(_TUPLE, stack[-3:], start)]
-            elif op == 0x93:  # STACK_GLOBAL
-                name = stack.pop()
-                module = stack.pop()
-                if module.kind != _STR or name.kind != _STR or module.pair is None or name.pair is None:
-                    raise _refuse(start, "STACK_GLOBAL takes its names from values that are not string literals")
-                pair = _name_pair(module.pair, name.pair, start)
-                found[pair] = None
-                stack.append(_Tag(_GLOBAL, pair))
-            elif op in (0x71, 0x72):  # BINPUT, LONG_BINPUT
-                if op == 0x71:
-                    index = data[pos]
+    return _Analysis(stream).run()
+
+
+class _Analysis:
+    """One run of :func:`analyze`: the tag stack, its frames (one per open MARK), the memo, and what the stream
+    was seen to do. :meth:`run` reads one opcode at a time and calls its handler (:data:`_HANDLERS`) with the
+    opcode and the offset after it; the handler reads the opcode's argument from there, acts on the stack,
+    and returns the offset after the argument (the opcode's own is that offset minus one). A handler raises
+    where the opcode's check fails; an IndexError, KeyError, ValueError or UnicodeDecodeError it meets (an
+    empty frame, a memo index never written, a bad text) is the stream's malformation, worded by :meth:`run`."""
+
+    __slots__ = (
+        "buffers", "called", "data", "found", "hashing", "instantiated", "memo", "metastack", "mutated", "stack",
+        "strings",
+    )  # fmt: skip
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.stack: list[_Tag] = []
+        self.metastack: list[list[_Tag]] = []
+        self.memo: dict[int, _Tag] = {}
+        self.found: dict[tuple[str, str], None] = {}
+        self.called: set[tuple[str, str]] = set()
+        self.instantiated: set[tuple[str, str]] = set()
+        self.mutated: dict[tuple[str, str], set[str]] = {}
+        self.buffers = 0
+        self.strings: dict[bytes, _Tag] = {}  # one immutable tag per distinct SHORT_BINUNICODE string
+        self.hashing = _Hashing(len(data))
+
+    def run(self) -> StreamUses:
+        data = self.data
+        end = len(data)
+        memo = self.memo
+        handlers = _HANDLERS
+        pos = start = 0
+        try:
+            while pos < end:
+                start = pos
+                op = data[pos]
+                if op == 0x94:  # MEMOIZE, a third of a snapshot's opcodes: here, without a call
+                    memo[len(memo)] = self.stack[-1]
                     pos += 1
+                elif op == 0x2E:  # STOP
+                    return self.stop(pos + 1, end, start)
                 else:
-                    index = from_bytes(data[pos : pos + 4], "little")
-                    pos += 4
-                memo[index] = stack[-1]
-            elif op == 0x6A:  # LONG_BINGET
-                stack.append(memo[from_bytes(data[pos : pos + 4], "little")])
-                pos += 4
-            elif op in (0x4A, 0x4D):  # BININT, BININT2
-                pos += 4 if op == 0x4A else 2
-                stack.append(_PRIM_TAG)
-            elif op == 0x47:  # BINFLOAT
-                pos += 8
-                stack.append(_CHOSEN_TAG)
-            elif op in (0x8A, 0x8B):  # LONG1, LONG4
-                if op == 0x8A:
-                    n = data[pos]
-                    pos += 1 + n
-                else:
-                    n = from_bytes(data[pos : pos + 4], "little", signed=True)
-                    pos += 4 + n
-                # Up to 7 bytes an int hashes to itself (distinct); a longer one's hash is the stream's to
-                # choose, and hashing it reads every digit, every time (ints do not cache their hash).
-                stack.append(_PRIM_TAG if op == 0x8A and n <= 7 else _Tag(_PRIM, None, 0, 1 + n // 8, _CHOSEN))
-            elif op in (0x58, 0x8D):  # BINUNICODE, BINUNICODE8
-                width = 4 if op == 0x58 else 8
-                n = from_bytes(data[pos : pos + width], "little")
-                pos += width
-                stack.append(_Tag(_STR, data[pos : pos + n].decode("utf-8", "surrogatepass")))
-                pos += n
-            elif op in (0x43, 0x42, 0x8E, 0x96):  # SHORT_BINBYTES, BINBYTES, BINBYTES8, BYTEARRAY8
-                width = 1 if op == 0x43 else 4 if op == 0x42 else 8
-                n = from_bytes(data[pos : pos + width], "little")
-                pos += width + n
-                stack.append(_BYTES_TAG)
-            elif op in (0x55, 0x54):  # SHORT_BINSTRING, BINSTRING (decoded with the unpickler's encoding)
-                width = 1 if op == 0x55 else 4
-                n = from_bytes(data[pos : pos + width], "little", signed=op == 0x54)
-                pos += width + n
-                stack.append(_UNKNOWN_STR)
-            elif op == 0x7D:  # EMPTY_DICT
-                stack.append(_Tag(_DICT, None, 1))
-            elif op == 0x5D:  # EMPTY_LIST
-                stack.append(_Tag(_LIST, None, 1))
-            elif op == 0x29:  # EMPTY_TUPLE
-                stack.append(_Tag(_TUPLE, None, 1, 1, _KNOWN))
-            elif op == 0x8F:  # EMPTY_SET
-                stack.append(_Tag(_SET, None, 1))
-            elif op == 0x75:  # SETITEMS
-                items = stack
-                stack = metastack.pop()
-                if len(items) % 2:
-                    raise SnapshotError(f"the pickle stream is malformed at byte {start}: odd number of SETITEMS items")
-                _mutate(stack[-1], SETITEM, _DICT, items, start, mutated)
-                hashing.charge(items, 2, start, stack[-1])
-            elif op == 0x73:  # SETITEM
-                value = stack.pop()
-                key = stack.pop()
-                _mutate(stack[-1], SETITEM, _DICT, [key, value], start, mutated)
-                hashing.charge([key], 1, start, stack[-1])
-            elif op == 0x65:  # APPENDS
-                items = stack
-                stack = metastack.pop()
-                _mutate(stack[-1], APPEND, _LIST, items, start, mutated)
-            elif op == 0x61:  # APPEND
-                item = stack.pop()
-                _mutate(stack[-1], APPEND, _LIST, [item], start, mutated)
-            elif op == 0x90:  # ADDITEMS
-                items = stack
-                stack = metastack.pop()
-                _mutate(stack[-1], ADD, _SET, items, start, mutated)
-                hashing.charge(items, 1, start, stack[-1])
-            elif op == 0x62:  # BUILD
-                state = stack.pop()
-                inst = stack[-1]
-                if inst.kind != _RESULT:
-                    raise _refuse(
-                        start,
-                        f"BUILD sets state on {inst.describe()}; only objects this load created by calling an "
-                        f"allowed class may receive state",
-                    )
-                if inst.built:
-                    raise _refuse(start, f"a second BUILD sets state on {inst.describe()}")
-                inst.built = True
-                mutated.setdefault(inst.pair, set()).add(BUILD)
-                _grow(inst, [state], start, "BUILD")
-            elif op in (0x81, 0x92):  # NEWOBJ, NEWOBJ_EX
-                kwargs = _PRIM_TAG
-                if op == 0x92:
-                    kwargs = stack.pop()
-                    if kwargs.kind != _DICT:
-                        raise _refuse(start, f"NEWOBJ_EX passes {kwargs.describe()} as its keyword arguments")
-                args = stack.pop()
-                cls = stack.pop()
-                if cls.kind != _GLOBAL:
-                    raise _refuse(start, f"NEWOBJ instantiates {cls.describe()}; only a named class may be")
-                if args.kind != _TUPLE:
-                    raise _refuse(start, f"NEWOBJ passes {args.describe()} as the argument tuple")
-                instantiated.add(cls.pair)
-                args.nested = kwargs.nested = True
-                depth = args.depth if args.depth > kwargs.depth else kwargs.depth
-                size = args.size + 1 + (kwargs.size if op == 0x92 else 0)
-                stack.append(_result(cls.pair, depth + 1, size, start))
-            elif op == 0x64:  # DICT
-                items = stack
-                stack = metastack.pop()
-                if len(items) % 2:
-                    raise SnapshotError(f"the pickle stream is malformed at byte {start}: odd number of DICT items")
-                stack.append(_container(_DICT, items, start))
-                hashing.charge(items, 2, start, stack[-1])
-            elif op == 0x6C:  # LIST
-                items = stack
-                stack = metastack.pop()
-                stack.append(_container(_LIST, items, start))
-            elif op == 0x91:  # FROZENSET
-                items = stack
-                stack = metastack.pop()
-                stack.append(_container(_FROZENSET, items, start))
-                hashing.charge(items, 1, start, stack[-1])
-            elif op == 0x6F:  # OBJ: MARK cls arg1 ... argN OBJ
-                items = stack
-                stack = metastack.pop()
-                if not items or items[0].kind != _GLOBAL:
-                    what = items[0].describe() if items else "nothing"
-                    raise _refuse(start, f"OBJ instantiates {what}; only a named class may be")
-                called.add(items[0].pair)
-                args = _container(_TUPLE, items[1:], start)
-                stack.append(_result(items[0].pair, args.depth, args.size, start))
-            elif op in (0x63, 0x69):  # GLOBAL, INST: "module\nname\n" inline
-                module_text, pos = _line(data, pos)
-                name_text, pos = _line(data, pos)
-                pair = _name_pair(module_text.decode("utf-8"), name_text.decode("utf-8"), start)
-                found[pair] = None
-                if op == 0x63:
-                    stack.append(_Tag(_GLOBAL, pair))
-                else:
-                    items = stack
-                    stack = metastack.pop()
-                    called.add(pair)
-                    args = _container(_TUPLE, items, start)
-                    stack.append(_result(pair, args.depth, args.size, start))
-            elif op == 0x32:  # DUP
-                stack.append(stack[-1])
-            elif op == 0x30:  # POP: the top value, or the MARK when the frame is empty (as the C unpickler does)
-                if stack:
-                    stack.pop()
-                else:
-                    stack = metastack.pop()
-            elif op == 0x31:  # POP_MARK
-                stack = metastack.pop()
-            elif op == 0x98:  # READONLY_BUFFER
-                if stack[-1].kind not in (_BUFFER, _BYTES):
-                    raise _refuse(start, f"READONLY_BUFFER applies to {stack[-1].describe()}")
-            elif op in (0x80, 0x95):  # PROTO, FRAME
-                pos += 1 if op == 0x80 else 8
-            elif op in (0x49, 0x4C, 0x46):  # INT, LONG, FLOAT (text)
-                text, pos = _line(data, pos)
-                if op == 0x46:
-                    stack.append(_CHOSEN_TAG)
-                else:  # up to 16 characters an int is below 2**55; a longer one as LONG1/LONG4 above
-                    stack.append(_PRIM_TAG if len(text) <= 16 else _Tag(_PRIM, None, 0, 1 + len(text) // 8, _CHOSEN))
-            elif op == 0x53:  # STRING (text)
-                _, pos = _line(data, pos)
-                stack.append(_UNKNOWN_STR)
-            elif op == 0x56:  # UNICODE (raw-unicode-escape text)
-                text, pos = _line(data, pos)
-                stack.append(_Tag(_STR, text.decode("raw-unicode-escape")))
-            elif op in (0x70, 0x67):  # PUT, GET (text index)
-                text, pos = _line(data, pos)
-                if op == 0x70:
-                    memo[int(text)] = stack[-1]
-                else:
-                    stack.append(memo[int(text)])
-            elif op in (0x82, 0x83, 0x84):  # EXT1, EXT2, EXT4
-                raise _refuse(start, "an extension code (EXT1/2/4) names a global through copyreg's registry")
-            elif op in (0x50, 0x51):  # PERSID, BINPERSID
-                raise _refuse(start, "a persistent ID is not part of this format")
-            elif op == 0x2E:  # STOP
-                if pos != end or metastack or len(stack) != 1:
-                    raise SnapshotError(f"the pickle stream is malformed at byte {start}: STOP with a bad stack")
-                return StreamUses(
-                    globals=tuple(found),
-                    called=frozenset(called),
-                    instantiated=frozenset(instantiated),
-                    mutated={pair: frozenset(ops) for pair, ops in mutated.items()},
-                    next_buffers=buffers,
-                )
-            else:
-                raise SnapshotError(f"the pickle stream is malformed at byte {start}: unknown opcode {op:#04x}")
-    except (IndexError, KeyError, ValueError, UnicodeDecodeError) as e:
-        if isinstance(e, SnapshotError):
-            raise
-        raise SnapshotError(
-            f"the pickle stream is malformed at byte {start}: {type(e).__name__} ({e}) while checking what it does"
-        ) from None
-    raise SnapshotError("the pickle stream ends without STOP")
+                    pos = handlers[op](self, op, pos + 1)
+        except (IndexError, KeyError, ValueError, UnicodeDecodeError) as e:
+            if isinstance(e, SnapshotError):
+                raise
+            raise SnapshotError(
+                f"the pickle stream is malformed at byte {start}: {type(e).__name__} ({e}) while checking what it does"
+            ) from None
+        raise SnapshotError("the pickle stream ends without STOP")
 
-
-# Note [One BUILD, and nothing appended after it]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# BUILD without a __setstate__ writes the state into the instance's __dict__, and the C unpickler looks up
-# instance attributes afterwards: a second BUILD calls inst.__setstate__, APPEND(S) calls inst.extend or
-# inst.append, ADDITEMS calls inst.add. If the first BUILD had put those names in the instance's __dict__, the
-# stream would call whatever value it stored there (say, a function allow= admits as a value only). Pickle
-# writes list items, dict items and then the state, and BUILD once per object, so a restricted load refuses a
-# second BUILD and APPEND(S)/ADDITEMS after BUILD. SETITEM(S) is safe: __setitem__ is looked up on the type.
-
-
-def _mutate(
-    target: _Tag, op: str, own_kind: int, items: list[_Tag], pos: int, mutated: dict[tuple[str, str], set[str]]
-) -> None:
-    if target.kind == _RESULT:
-        if target.built and op != SETITEM:
-            opcode = "APPEND(S)" if op == APPEND else "ADDITEMS"
-            raise _refuse(pos, f"{opcode} follows BUILD on {target.describe()}")
-        mutated.setdefault(target.pair, set()).add(op)
-    elif target.kind != own_kind:
-        raise _refuse(
-            pos,
-            f"{_OPCODES[op]} applies to {target.describe()}; pickle's containers are filled only when they are "
-            f"{_KIND_NAMES[own_kind]} built by the stream or an object this load created",
+    def stop(self, pos: int, end: int, start: int) -> StreamUses:
+        if pos != end or self.metastack or len(self.stack) != 1:
+            raise SnapshotError(f"the pickle stream is malformed at byte {start}: STOP with a bad stack")
+        return StreamUses(
+            globals=tuple(self.found),
+            called=frozenset(self.called),
+            instantiated=frozenset(self.instantiated),
+            mutated={pair: frozenset(ops) for pair, ops in self.mutated.items()},
+            next_buffers=self.buffers,
         )
-    _grow(target, items, pos, _OPCODES[op])
+
+    def frame(self) -> list[_Tag]:
+        """Close the innermost MARK: its items, the stack below it becoming the stack again."""
+        items = self.stack
+        self.stack = self.metastack.pop()
+        return items
+
+    # -- the stack, the frames and the memo --------------------------------------------------------------
+
+    def binput(self, op: int, pos: int) -> int:  # BINPUT, LONG_BINPUT
+        if op == 0x71:
+            index = self.data[pos]
+            pos += 1
+        else:
+            index = int.from_bytes(self.data[pos : pos + 4], "little")
+            pos += 4
+        self.memo[index] = self.stack[-1]
+        return pos
+
+    def binget(self, op: int, pos: int) -> int:  # BINGET
+        self.stack.append(self.memo[self.data[pos]])
+        return pos + 1
+
+    def long_binget(self, op: int, pos: int) -> int:  # LONG_BINGET
+        self.stack.append(self.memo[int.from_bytes(self.data[pos : pos + 4], "little")])
+        return pos + 4
+
+    def put_get(self, op: int, pos: int) -> int:  # PUT, GET (text index)
+        text, pos = _line(self.data, pos)
+        if op == 0x70:
+            self.memo[int(text)] = self.stack[-1]
+        else:
+            self.stack.append(self.memo[int(text)])
+        return pos
+
+    def mark(self, op: int, pos: int) -> int:  # MARK
+        self.metastack.append(self.stack)
+        self.stack = []
+        return pos
+
+    def dup(self, op: int, pos: int) -> int:  # DUP
+        stack = self.stack
+        stack.append(stack[-1])
+        return pos
+
+    def pop(self, op: int, pos: int) -> int:  # POP: the top value, or the MARK when the frame is empty (as C does)
+        if self.stack:
+            self.stack.pop()
+        else:
+            self.stack = self.metastack.pop()
+        return pos
+
+    def pop_mark(self, op: int, pos: int) -> int:  # POP_MARK
+        self.stack = self.metastack.pop()
+        return pos
+
+    def skip(self, op: int, pos: int) -> int:  # PROTO, FRAME
+        return pos + (1 if op == 0x80 else 8)
+
+    # -- numbers, strings and bytes ----------------------------------------------------------------------
+
+    def binint1(self, op: int, pos: int) -> int:  # BININT1
+        self.stack.append(_PRIM_TAG)
+        return pos + 1
+
+    def binint(self, op: int, pos: int) -> int:  # BININT, BININT2
+        self.stack.append(_PRIM_TAG)
+        return pos + (4 if op == 0x4A else 2)
+
+    def constant(self, op: int, pos: int) -> int:  # NEWTRUE, NEWFALSE, NONE
+        self.stack.append(_PRIM_TAG)
+        return pos
+
+    def binfloat(self, op: int, pos: int) -> int:  # BINFLOAT
+        self.stack.append(_CHOSEN_TAG)
+        return pos + 8
+
+    def long(self, op: int, pos: int) -> int:  # LONG1, LONG4
+        if op == 0x8A:
+            n = self.data[pos]
+            pos += 1 + n
+        else:
+            n = int.from_bytes(self.data[pos : pos + 4], "little", signed=True)
+            pos += 4 + n
+        # Up to 7 bytes an int hashes to itself (distinct); a longer one's hash is the stream's to
+        # choose, and hashing it reads every digit, every time (ints do not cache their hash).
+        self.stack.append(_PRIM_TAG if op == 0x8A and n <= 7 else _Tag(_PRIM, None, 0, 1 + n // 8, _CHOSEN))
+        return pos
+
+    def text_number(self, op: int, pos: int) -> int:  # INT, LONG, FLOAT (text)
+        text, pos = _line(self.data, pos)
+        if op == 0x46:
+            self.stack.append(_CHOSEN_TAG)
+        else:  # up to 16 characters an int is below 2**55; a longer one as LONG1/LONG4 above
+            self.stack.append(_PRIM_TAG if len(text) <= 16 else _Tag(_PRIM, None, 0, 1 + len(text) // 8, _CHOSEN))
+        return pos
+
+    def short_binunicode(self, op: int, pos: int) -> int:  # SHORT_BINUNICODE (one immutable tag per string)
+        data = self.data
+        n = data[pos]
+        raw = data[pos + 1 : pos + 1 + n]
+        tag = self.strings.get(raw)
+        if tag is None:
+            tag = self.strings[raw] = _Tag(_STR, raw.decode("utf-8", "surrogatepass"))
+        self.stack.append(tag)
+        return pos + 1 + n
+
+    def binunicode(self, op: int, pos: int) -> int:  # BINUNICODE, BINUNICODE8
+        width = 4 if op == 0x58 else 8
+        n = int.from_bytes(self.data[pos : pos + width], "little")
+        pos += width
+        self.stack.append(_Tag(_STR, self.data[pos : pos + n].decode("utf-8", "surrogatepass")))
+        return pos + n
+
+    def unicode(self, op: int, pos: int) -> int:  # UNICODE (raw-unicode-escape text)
+        text, pos = _line(self.data, pos)
+        self.stack.append(_Tag(_STR, text.decode("raw-unicode-escape")))
+        return pos
+
+    def binbytes(self, op: int, pos: int) -> int:  # SHORT_BINBYTES, BINBYTES, BINBYTES8, BYTEARRAY8
+        width = 1 if op == 0x43 else 4 if op == 0x42 else 8
+        n = int.from_bytes(self.data[pos : pos + width], "little")
+        self.stack.append(_BYTES_TAG)
+        return pos + width + n
+
+    def binstring(self, op: int, pos: int) -> int:  # SHORT_BINSTRING, BINSTRING (the unpickler's encoding)
+        width = 1 if op == 0x55 else 4
+        n = int.from_bytes(self.data[pos : pos + width], "little", signed=op == 0x54)
+        self.stack.append(_UNKNOWN_STR)
+        return pos + width + n
+
+    def string(self, op: int, pos: int) -> int:  # STRING (text)
+        _, pos = _line(self.data, pos)
+        self.stack.append(_UNKNOWN_STR)
+        return pos
+
+    # -- tuples, and the containers pickle builds and fills -----------------------------------------------
+
+    def tuple1(self, op: int, pos: int) -> int:  # TUPLE1
+        stack = self.stack
+        item = stack[-1]
+        if item.depth >= MAX_DEPTH:
+            raise _too_deep(pos - 1)
+        item.nested = True
+        stack[-1] = _Tag(_TUPLE, None, item.depth + 1, min(item.size + 1, _SIZE_CAP), _HASHK[1 << item.hashk])
+        return pos
+
+    def tuple2(self, op: int, pos: int) -> int:  # TUPLE2
+        stack = self.stack
+        second = stack.pop()
+        first = stack[-1]
+        depth = first.depth
+        if second.depth > depth:  # noqa: PLR1730 - cheaper than max() on this hot path
+            depth = second.depth
+        if depth >= MAX_DEPTH:
+            raise _too_deep(pos - 1)
+        first.nested = second.nested = True
+        stack[-1] = _Tag(
+            _TUPLE,
+            None,
+            depth + 1,
+            min(first.size + second.size + 1, _SIZE_CAP),
+            _HASHK[(1 << first.hashk) | (1 << second.hashk)],
+        )
+        return pos
+
+    def tuple3(self, op: int, pos: int) -> int:  # TUPLE3
+        stack = self.stack
+        if len(stack) < 3:
+            raise SnapshotError(f"the pickle stream is malformed at byte {pos - 1}: TUPLE3 needs 3 items")
+        stack[-3:] = [_container(_TUPLE, stack[-3:], pos - 1)]
+        return pos
+
+    def to_tuple(self, op: int, pos: int) -> int:  # TUPLE
+        items = self.frame()
+        self.stack.append(_container(_TUPLE, items, pos - 1))
+        return pos
+
+    def to_list(self, op: int, pos: int) -> int:  # LIST
+        items = self.frame()
+        self.stack.append(_container(_LIST, items, pos - 1))
+        return pos
+
+    def to_dict(self, op: int, pos: int) -> int:  # DICT
+        items = self.frame()
+        if len(items) % 2:
+            raise SnapshotError(f"the pickle stream is malformed at byte {pos - 1}: odd number of DICT items")
+        self.stack.append(_container(_DICT, items, pos - 1))
+        self.hashing.charge(items, 2, pos - 1, self.stack[-1])
+        return pos
+
+    def to_frozenset(self, op: int, pos: int) -> int:  # FROZENSET
+        items = self.frame()
+        self.stack.append(_container(_FROZENSET, items, pos - 1))
+        self.hashing.charge(items, 1, pos - 1, self.stack[-1])
+        return pos
+
+    def empty(self, op: int, pos: int) -> int:  # EMPTY_DICT, EMPTY_LIST, EMPTY_TUPLE, EMPTY_SET
+        if op == 0x7D:
+            self.stack.append(_Tag(_DICT, None, 1))
+        elif op == 0x5D:
+            self.stack.append(_Tag(_LIST, None, 1))
+        elif op == 0x29:
+            self.stack.append(_Tag(_TUPLE, None, 1, 1, _KNOWN))
+        else:
+            self.stack.append(_Tag(_SET, None, 1))
+        return pos
+
+    def setitems(self, op: int, pos: int) -> int:  # SETITEMS
+        items = self.frame()
+        if len(items) % 2:
+            raise SnapshotError(f"the pickle stream is malformed at byte {pos - 1}: odd number of SETITEMS items")
+        _mutate(self.stack[-1], SETITEM, _DICT, items, pos - 1, self.mutated)
+        self.hashing.charge(items, 2, pos - 1, self.stack[-1])
+        return pos
+
+    def setitem(self, op: int, pos: int) -> int:  # SETITEM
+        stack = self.stack
+        value = stack.pop()
+        key = stack.pop()
+        _mutate(stack[-1], SETITEM, _DICT, [key, value], pos - 1, self.mutated)
+        self.hashing.charge([key], 1, pos - 1, stack[-1])
+        return pos
+
+    def appends(self, op: int, pos: int) -> int:  # APPENDS
+        items = self.frame()
+        _mutate(self.stack[-1], APPEND, _LIST, items, pos - 1, self.mutated)
+        return pos
+
+    def append(self, op: int, pos: int) -> int:  # APPEND
+        stack = self.stack
+        item = stack.pop()
+        _mutate(stack[-1], APPEND, _LIST, [item], pos - 1, self.mutated)
+        return pos
+
+    def additems(self, op: int, pos: int) -> int:  # ADDITEMS
+        items = self.frame()
+        _mutate(self.stack[-1], ADD, _SET, items, pos - 1, self.mutated)
+        self.hashing.charge(items, 1, pos - 1, self.stack[-1])
+        return pos
+
+    # -- globals, calls, and state set on what they made -------------------------------------------------
+
+    def stack_global(self, op: int, pos: int) -> int:  # STACK_GLOBAL
+        stack = self.stack
+        name = stack.pop()
+        module = stack.pop()
+        if module.kind != _STR or name.kind != _STR or module.pair is None or name.pair is None:
+            raise _refuse(pos - 1, "STACK_GLOBAL takes its names from values that are not string literals")
+        pair = _name_pair(module.pair, name.pair, pos - 1)
+        self.found[pair] = None
+        stack.append(_Tag(_GLOBAL, pair))
+        return pos
+
+    def global_inst(self, op: int, pos: int) -> int:  # GLOBAL, INST: "module\nname\n" inline
+        start = pos - 1
+        module_text, pos = _line(self.data, pos)
+        name_text, pos = _line(self.data, pos)
+        pair = _name_pair(module_text.decode("utf-8"), name_text.decode("utf-8"), start)
+        self.found[pair] = None
+        if op == 0x63:
+            self.stack.append(_Tag(_GLOBAL, pair))
+        else:
+            items = self.frame()
+            self.called.add(pair)
+            args = _container(_TUPLE, items, start)
+            self.stack.append(_result(pair, args.depth, args.size, start))
+        return pos
+
+    def reduce(self, op: int, pos: int) -> int:  # REDUCE
+        stack = self.stack
+        args = stack.pop()
+        func = stack[-1]
+        if func.kind != _GLOBAL:
+            raise _refuse(pos - 1, f"REDUCE calls {func.describe()}; only a global the stream names may be called")
+        if args.kind != _TUPLE:
+            raise _refuse(pos - 1, f"REDUCE passes {args.describe()} as the argument tuple")
+        self.called.add(func.pair)
+        args.nested = True
+        stack[-1] = _result(func.pair, args.depth + 1, args.size + 1, pos - 1)
+        return pos
+
+    def obj(self, op: int, pos: int) -> int:  # OBJ: MARK cls arg1 ... argN OBJ
+        items = self.frame()
+        if not items or items[0].kind != _GLOBAL:
+            what = items[0].describe() if items else "nothing"
+            raise _refuse(pos - 1, f"OBJ instantiates {what}; only a named class may be")
+        self.called.add(items[0].pair)
+        args = _container(_TUPLE, items[1:], pos - 1)
+        self.stack.append(_result(items[0].pair, args.depth, args.size, pos - 1))
+        return pos
+
+    def newobj(self, op: int, pos: int) -> int:  # NEWOBJ, NEWOBJ_EX
+        stack = self.stack
+        start = pos - 1
+        kwargs = _PRIM_TAG
+        if op == 0x92:
+            kwargs = stack.pop()
+            if kwargs.kind != _DICT:
+                raise _refuse(start, f"NEWOBJ_EX passes {kwargs.describe()} as its keyword arguments")
+        args = stack.pop()
+        cls = stack.pop()
+        if cls.kind != _GLOBAL:
+            raise _refuse(start, f"NEWOBJ instantiates {cls.describe()}; only a named class may be")
+        if args.kind != _TUPLE:
+            raise _refuse(start, f"NEWOBJ passes {args.describe()} as the argument tuple")
+        self.instantiated.add(cls.pair)
+        args.nested = kwargs.nested = True
+        depth = args.depth if args.depth > kwargs.depth else kwargs.depth
+        size = args.size + 1 + (kwargs.size if op == 0x92 else 0)
+        stack.append(_result(cls.pair, depth + 1, size, start))
+        return pos
+
+    def build(self, op: int, pos: int) -> int:  # BUILD
+        stack = self.stack
+        state = stack.pop()
+        inst = stack[-1]
+        if inst.kind != _RESULT:
+            raise _refuse(
+                pos - 1,
+                f"BUILD sets state on {inst.describe()}; only objects this load created by calling an allowed class "
+                f"may receive state",
+            )
+        if inst.built:
+            raise _refuse(pos - 1, f"a second BUILD sets state on {inst.describe()}")
+        inst.built = True
+        self.mutated.setdefault(inst.pair, set()).add(BUILD)
+        _grow(inst, [state], pos - 1, "BUILD")
+        return pos
+
+    # -- out-of-band buffers, and what a restricted load never runs --------------------------------------
+
+    def next_buffer(self, op: int, pos: int) -> int:  # NEXT_BUFFER
+        self.buffers += 1
+        self.stack.append(_BUFFER_TAG)
+        return pos
+
+    def readonly_buffer(self, op: int, pos: int) -> int:  # READONLY_BUFFER
+        if self.stack[-1].kind not in (_BUFFER, _BYTES):
+            raise _refuse(pos - 1, f"READONLY_BUFFER applies to {self.stack[-1].describe()}")
+        return pos
+
+    def extension(self, op: int, pos: int) -> int:  # EXT1, EXT2, EXT4
+        raise _refuse(pos - 1, "an extension code (EXT1/2/4) names a global through copyreg's registry")
+
+    def persistent_id(self, op: int, pos: int) -> int:  # PERSID, BINPERSID
+        raise _refuse(pos - 1, "a persistent ID is not part of this format")
+
+    def unknown(self, op: int, pos: int) -> int:
+        raise SnapshotError(f"the pickle stream is malformed at byte {pos - 1}: unknown opcode {op:#04x}")
 
 
-_OPCODES = {SETITEM: "SETITEM(S)", APPEND: "APPEND(S)", ADD: "ADDITEMS"}
+# Each opcode's handler (MEMOIZE and STOP are the loop's own); every other byte is an unknown opcode.
+_BY_OPCODE: dict[int, Callable[[_Analysis, int, int], int]] = {
+    0x71: _Analysis.binput, 0x72: _Analysis.binput, 0x68: _Analysis.binget, 0x6A: _Analysis.long_binget,
+    0x70: _Analysis.put_get, 0x67: _Analysis.put_get, 0x28: _Analysis.mark, 0x32: _Analysis.dup,
+    0x30: _Analysis.pop, 0x31: _Analysis.pop_mark, 0x80: _Analysis.skip, 0x95: _Analysis.skip,
+    0x4B: _Analysis.binint1, 0x4A: _Analysis.binint, 0x4D: _Analysis.binint, 0x88: _Analysis.constant,
+    0x89: _Analysis.constant, 0x4E: _Analysis.constant, 0x47: _Analysis.binfloat, 0x8A: _Analysis.long,
+    0x8B: _Analysis.long, 0x49: _Analysis.text_number, 0x4C: _Analysis.text_number, 0x46: _Analysis.text_number,
+    0x8C: _Analysis.short_binunicode, 0x58: _Analysis.binunicode, 0x8D: _Analysis.binunicode,
+    0x56: _Analysis.unicode, 0x43: _Analysis.binbytes, 0x42: _Analysis.binbytes, 0x8E: _Analysis.binbytes,
+    0x96: _Analysis.binbytes, 0x55: _Analysis.binstring, 0x54: _Analysis.binstring, 0x53: _Analysis.string,
+    0x85: _Analysis.tuple1, 0x86: _Analysis.tuple2, 0x87: _Analysis.tuple3, 0x74: _Analysis.to_tuple,
+    0x6C: _Analysis.to_list, 0x64: _Analysis.to_dict, 0x91: _Analysis.to_frozenset, 0x7D: _Analysis.empty,
+    0x5D: _Analysis.empty, 0x29: _Analysis.empty, 0x8F: _Analysis.empty, 0x75: _Analysis.setitems,
+    0x73: _Analysis.setitem, 0x65: _Analysis.appends, 0x61: _Analysis.append, 0x90: _Analysis.additems,
+    0x93: _Analysis.stack_global, 0x63: _Analysis.global_inst, 0x69: _Analysis.global_inst,
+    0x52: _Analysis.reduce, 0x6F: _Analysis.obj, 0x81: _Analysis.newobj, 0x92: _Analysis.newobj,
+    0x62: _Analysis.build, 0x97: _Analysis.next_buffer, 0x98: _Analysis.readonly_buffer,
+    0x82: _Analysis.extension, 0x83: _Analysis.extension, 0x84: _Analysis.extension,
+    0x50: _Analysis.persistent_id, 0x51: _Analysis.persistent_id,
+}  # fmt: skip
+_HANDLERS: tuple[Callable[[_Analysis, int, int], int], ...] = tuple(
+    _BY_OPCODE.get(op, _Analysis.unknown) for op in range(256)
+)
 
 
 # The native helper reports mutated ops as bits (csrc/zerocopy_native.cpp, analyze_stream).
@@ -677,32 +602,6 @@ def _from_native(payload: tuple[Any, ...]) -> StreamUses:
 # here as there. The tags of every stream the C unpickler runs to the end are exact. A call's result counts one
 # level deeper than its arguments (and may reach MAX_DEPTH + 1 itself); whatever contains it is checked. The
 # native twin (csrc/, analyze_stream) reproduces these choices exactly.
-
-
-# Note [The cost model]
-# ~~~~~~~~~~~~~~~~~~~~~
-# What a restricted load may cost is linear in its input (docs/security.md, "What a load may cost"). Three
-# things in what the C unpickler does are not linear in the stream by themselves, and the analysis bounds each:
-#
-# * Nesting. Freeing, hashing and comparing a value recurse in C over its nesting. A container's depth is
-#   known when it is put into another only if nothing is added to it afterwards, so a container that was put
-#   into another value (`nested`) may not be filled or receive state any more (pickle writes that only for
-#   a reference cycle: the object is referenced from inside itself before its own items follow). With that
-#   rule every depth is exact, bounded by MAX_DEPTH, by MAX_UNPROTECTED_DEPTH below the two types CPython
-#   frees recursively, and by MAX_KEY_DEPTH for what is hashed (tuple hashing recurses in C, in whatever
-#   stack the loading thread has).
-# * Expansion. A memo reference costs two bytes and repeats a whole value: t1 = (t0, t0), t2 = (t1, t1), ...
-#   is 2**k elements from 5k bytes. Each tag carries its expanded `size` (exact by the rule above; saturating
-#   at _SIZE_CAP), and every value the unpickler hashes (dict keys, set and frozenset members, whatever
-#   SETITEM(S) and ADDITEMS hand an object's __setitem__ and add) is charged its size against one budget per
-#   stream: HASH_FLOOR, or HASH_PER_BYTE per byte of stream. (Comparing happens only between keys of equal
-#   hash, and costs at most what hashing the smaller one did.) The safe set's functions charge what they walk
-#   or copy to the load's other budget (zerocopy_pickle.validate.charge).
-# * Names. GLOBAL and STACK_GLOBAL names are at most MAX_NAME_LENGTH characters, and every check of a name is
-#   linear in it (zerocopy_pickle._trust.restricted._module_blocked).
-#
-# Everything else the analysis does is a constant amount of work per opcode, and its memory is a tag per
-# value the stream creates.
 
 
 def _held(found: StreamUses) -> int:

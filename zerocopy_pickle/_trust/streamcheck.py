@@ -147,130 +147,178 @@ def walk_stream(stream: bytes | bytearray | memoryview, *, collect_globals: bool
         SnapshotError: naming the first violation and its byte offset in the stream.
     """
     data = bytes(stream) if not isinstance(stream, bytes) else stream
-    end = len(data)
-    pos = 0
-    depth = 0
-    marks: list[int] = []
-    memo_size = 0  # highest memo index written + 1
-    next_buffers = 0
-    table = _TABLE
-    found: dict[tuple[str, str], None] = {}
-    # Shadow of the stack's top values (strings only), kept when collecting globals for STACK_GLOBAL.
-    shadow: list[object] = []
-    memo_values: dict[int, object] = {}
-    while pos < end:
-        op = data[pos]
-        entry = table.get(op)
-        if entry is None:
-            raise _fail(f"unknown opcode {op:#04x}", pos)
-        start = pos
-        pos += 1
-        name, kind, pops, pushes = entry
+    return _Walk(data, collect_globals).run()
+
+
+class _Walk:
+    """One run of :func:`walk_stream`. Each opcode is checked in one order: its argument (:meth:`argument`, or
+    :meth:`plain` for one without), persistent IDs, its stack effect (:meth:`stack_effect`), the stack's depth,
+    and STOP's end of the stream. With ``collect``, a shadow of the stack's top values (strings only) and of
+    the memo follows the opcodes, for the names STACK_GLOBAL takes."""
+
+    __slots__ = ("collect", "data", "depth", "end", "found", "marks", "memo_size", "memo_values", "next_buffers",
+                 "pos", "shadow")  # fmt: skip
+
+    def __init__(self, data: bytes, collect: bool) -> None:
+        self.data = data
+        self.end = len(data)
+        self.collect = collect
+        self.pos = 0
+        self.depth = 0
+        self.marks: list[int] = []
+        self.memo_size = 0  # highest memo index written + 1
+        self.next_buffers = 0
+        self.found: dict[tuple[str, str], None] = {}
+        self.shadow: list[object] = []
+        self.memo_values: dict[int, object] = {}
+
+    def run(self) -> StreamFacts:
+        data = self.data
+        end = self.end
+        table = _TABLE
+        while self.pos < end:
+            op = data[self.pos]
+            entry = table.get(op)
+            if entry is None:
+                raise _fail(f"unknown opcode {op:#04x}", self.pos)
+            start = self.pos
+            self.pos += 1
+            name, kind, pops, pushes = entry
+            value = self.argument(op, name, kind, start) if kind != _PLAIN else self.plain(op)
+            if op in _PERSIDS:
+                raise _fail("persistent IDs are not part of this format", start)
+            self.stack_effect(op, name, pops, pushes, value, start)
+            if self.depth > MAX_STACK:
+                raise _fail(f"the stack grows deeper than {MAX_STACK} items", start)
+            if op == _STOP:
+                if self.pos != end:
+                    raise _fail(f"{end - self.pos} byte(s) after STOP", self.pos)
+                if self.marks:
+                    raise _fail("STOP inside an unclosed MARK", start)
+                return StreamFacts(self.next_buffers, tuple(self.found))
+        raise _fail("the stream ends without STOP", end)
+
+    def plain(self, op: int) -> object:
+        """What an opcode without an argument does to the memo, the buffer count and the names."""
+        if op == _MEMOIZE:
+            if self.collect:
+                self.memo_values[self.memo_size] = self.shadow[-1] if self.shadow else None
+            self.memo_size += 1
+        elif op == _NEXT_BUFFER:
+            self.next_buffers += 1
+        elif op == _STACK_GLOBAL and self.collect:
+            top = self.shadow[-2:] if len(self.shadow) >= 2 else []
+            if len(top) == 2 and isinstance(top[0], str) and isinstance(top[1], str):
+                self.found[top[0], top[1]] = None
+            else:
+                self.found[DYNAMIC] = None
+        return None
+
+    def argument(self, op: int, name: str, kind: int, start: int) -> object:
+        """Read the argument of the opcode at ``start`` (moving ``pos`` past it) and check it and its memo index;
+        the value it pushes, as far as the shadow follows it (a string, or what a memo read fetches)."""
+        end = self.end
+        pos = self.pos
         value: object = None
         arg = 0
-        if kind != _PLAIN:
-            width = _WIDTHS.get(kind, 0)
-            if pos + width > end:
-                raise _fail(f"{name} argument runs past the end of the stream", start)
-            if kind in (_ARG1, _ARG2, _ARG4, _ARG8):
-                arg, pos = int.from_bytes(data[pos : pos + width], "little"), pos + width
-            elif kind in (_LEN1, _LEN4, _LEN8):
-                length = int.from_bytes(data[pos : pos + width], "little", signed=op in _SIGNED_LENGTHS)
-                pos += width
-                if length < 0 or length > end - pos:
-                    raise _fail(
-                        f"{name} length {length} runs past the end of the stream ({end - pos} bytes left)", start
-                    )
-                if collect_globals and op in _UNICODE:
-                    try:
-                        value = data[pos : pos + length].decode("utf-8", "surrogatepass")
-                    except UnicodeDecodeError as e:
-                        raise _fail(f"{name} is not UTF-8 ({e.reason})", start) from None
-                pos += length
-            else:  # newline-terminated argument(s)
-                lines = 2 if kind == _LINE2 else 1
-                line_start = pos
-                for _ in range(lines):
-                    newline = data.find(b"\n", pos)
-                    if newline < 0:
-                        raise _fail(f"{name} argument has no terminating newline", start)
-                    pos = newline + 1
-                text = data[line_start : pos - 1]
-                if op in _MEMO_PUT or op in _MEMO_GET:
-                    try:
-                        arg = int(text)
-                    except ValueError:
-                        raise _fail(f"{name} index {text[:20]!r} is not an integer", start) from None
-                elif kind == _LINE2 and collect_globals:
-                    module, _, qualname = text.decode("utf-8", "replace").partition("\n")
-                    found[module, qualname] = None
-                elif collect_globals and op in _UNICODE:
-                    value = text.decode("raw-unicode-escape", "replace")
-            if pos > end:
-                raise _fail(f"{name} argument runs past the end of the stream", start)
-            if op in _MEMO_PUT:
-                if arg > memo_size:
-                    raise _fail(f"{name} index {arg} skips ahead of the memo ({memo_size} entries)", start)
-                memo_size = max(memo_size, arg + 1)
-                if collect_globals:
-                    memo_values[arg] = shadow[-1] if shadow else None
-            elif op in _MEMO_GET:
-                if arg >= memo_size:
-                    raise _fail(f"{name} reads memo index {arg}, which was never written", start)
-                if collect_globals:
-                    value = memo_values.get(arg)
-            elif kind == _ARG8 and name == "FRAME" and arg > end - pos:
-                raise _fail(f"FRAME of {arg} bytes runs past the end of the stream", start)
-        elif op == _MEMOIZE:
-            if collect_globals:
-                memo_values[memo_size] = shadow[-1] if shadow else None
-            memo_size += 1
-        elif op == _NEXT_BUFFER:
-            next_buffers += 1
-        elif op == _STACK_GLOBAL and collect_globals:
-            top = shadow[-2:] if len(shadow) >= 2 else []
-            if len(top) == 2 and isinstance(top[0], str) and isinstance(top[1], str):
-                found[top[0], top[1]] = None
-            else:
-                found[DYNAMIC] = None
-        if op in _PERSIDS:
-            raise _fail("persistent IDs are not part of this format", start)
-        # Stack effect.
+        width = _WIDTHS.get(kind, 0)
+        if pos + width > end:
+            raise _fail(f"{name} argument runs past the end of the stream", start)
+        if kind in (_ARG1, _ARG2, _ARG4, _ARG8):
+            arg, pos = int.from_bytes(self.data[pos : pos + width], "little"), pos + width
+        elif kind in (_LEN1, _LEN4, _LEN8):
+            pos, value = self.counted(op, name, width, pos, start)
+        else:  # newline-terminated argument(s)
+            pos, arg, value = self.lines(op, name, kind, pos, start)
+        self.pos = pos
+        if pos > end:
+            raise _fail(f"{name} argument runs past the end of the stream", start)
+        if op in _MEMO_PUT:
+            if arg > self.memo_size:
+                raise _fail(f"{name} index {arg} skips ahead of the memo ({self.memo_size} entries)", start)
+            self.memo_size = max(self.memo_size, arg + 1)
+            if self.collect:
+                self.memo_values[arg] = self.shadow[-1] if self.shadow else None
+        elif op in _MEMO_GET:
+            if arg >= self.memo_size:
+                raise _fail(f"{name} reads memo index {arg}, which was never written", start)
+            if self.collect:
+                value = self.memo_values.get(arg)
+        elif kind == _ARG8 and name == "FRAME" and arg > end - pos:
+            raise _fail(f"FRAME of {arg} bytes runs past the end of the stream", start)
+        return value
+
+    def counted(self, op: int, name: str, width: int, pos: int, start: int) -> tuple[int, object]:
+        """A length-prefixed argument at ``pos``: the offset after it, and its text if the shadow keeps it."""
+        data = self.data
+        end = self.end
+        length = int.from_bytes(data[pos : pos + width], "little", signed=op in _SIGNED_LENGTHS)
+        pos += width
+        if length < 0 or length > end - pos:
+            raise _fail(f"{name} length {length} runs past the end of the stream ({end - pos} bytes left)", start)
+        value: object = None
+        if self.collect and op in _UNICODE:
+            try:
+                value = data[pos : pos + length].decode("utf-8", "surrogatepass")
+            except UnicodeDecodeError as e:
+                raise _fail(f"{name} is not UTF-8 ({e.reason})", start) from None
+        return pos + length, value
+
+    def lines(self, op: int, name: str, kind: int, pos: int, start: int) -> tuple[int, int, object]:
+        """A newline-terminated argument (two lines for GLOBAL and INST) at ``pos``: the offset after it, its
+        memo index (for PUT and GET), and its text if the shadow keeps it; GLOBAL's and INST's names are noted."""
+        data = self.data
+        lines = 2 if kind == _LINE2 else 1
+        line_start = pos
+        for _ in range(lines):
+            newline = data.find(b"\n", pos)
+            if newline < 0:
+                raise _fail(f"{name} argument has no terminating newline", start)
+            pos = newline + 1
+        text = data[line_start : pos - 1]
+        arg = 0
+        value: object = None
+        if op in _MEMO_PUT or op in _MEMO_GET:
+            try:
+                arg = int(text)
+            except ValueError:
+                raise _fail(f"{name} index {text[:20]!r} is not an integer", start) from None
+        elif kind == _LINE2 and self.collect:
+            module, _, qualname = text.decode("utf-8", "replace").partition("\n")
+            self.found[module, qualname] = None
+        elif self.collect and op in _UNICODE:
+            value = text.decode("raw-unicode-escape", "replace")
+        return pos, arg, value
+
+    def stack_effect(self, op: int, name: str, pops: int, pushes: int, value: object, start: int) -> None:
+        """Pop and push as the opcode does (to its MARK, for the MARK-consuming forms), checking underflow."""
+        shadow = self.shadow
         if pops >= 0:
-            if depth < pops:
-                raise _fail(f"{name} needs {pops} stack item(s), the stack has {depth}", start)
-            depth += pushes - pops
-            if collect_globals and op not in _KEEPS_TOP:
+            if self.depth < pops:
+                raise _fail(f"{name} needs {pops} stack item(s), the stack has {self.depth}", start)
+            self.depth += pushes - pops
+            if self.collect and op not in _KEEPS_TOP:
                 if op == _DUP:
                     shadow.append(shadow[-1] if shadow else None)
                 else:
                     del shadow[len(shadow) - min(pops, len(shadow)) :]
                     shadow.extend([value] * pushes)
         elif pops == _MARK:
-            if len(marks) >= MAX_MARKS:
+            if len(self.marks) >= MAX_MARKS:
                 raise _fail(f"MARK nesting deeper than {MAX_MARKS}", start)
-            marks.append(depth)
+            self.marks.append(self.depth)
         else:
-            if not marks:
+            if not self.marks:
                 raise _fail(f"{name} without a MARK", start)
-            depth = marks.pop()
-            if collect_globals:
-                del shadow[depth:]
+            self.depth = self.marks.pop()
+            if self.collect:
+                del shadow[self.depth :]
             if pops == _TO_MARK_PUSH:
-                depth += 1
-                if collect_globals:
+                self.depth += 1
+                if self.collect:
                     shadow.append(None)
-            elif name in ("APPENDS", "SETITEMS", "ADDITEMS") and depth < 1:
+            elif name in ("APPENDS", "SETITEMS", "ADDITEMS") and self.depth < 1:
                 raise _fail(f"{name} has no container below its MARK", start)
-        if depth > MAX_STACK:
-            raise _fail(f"the stack grows deeper than {MAX_STACK} items", start)
-        if op == _STOP:
-            if pos != end:
-                raise _fail(f"{end - pos} byte(s) after STOP", pos)
-            if marks:
-                raise _fail("STOP inside an unclosed MARK", start)
-            return StreamFacts(next_buffers, tuple(found))
-    raise _fail("the stream ends without STOP", end)
 
 
 # -- the fast check ---------------------------------------------------------------------------------------------
