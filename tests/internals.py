@@ -21,7 +21,7 @@ from zerocopy_pickle._devices import device, transfer
 from zerocopy_pickle._devices.transfer import DIRECT_ALIGNMENT, Plan, SourceFile, plan, plan_reads, register_ranges
 from zerocopy_pickle._names import GlobalName
 from zerocopy_pickle._registry.discovery import resolve_name
-from zerocopy_pickle._storage import arena, format, integrity, progress, readahead, remote, sources
+from zerocopy_pickle._storage import arena, atomic, format, integrity, progress, readahead, remote, sources
 from zerocopy_pickle._trust import restricted, safe_set, safe_tensors, semantics, streamcheck
 from zerocopy_pickle._trust.restricted import (
     AllowList,
@@ -47,6 +47,7 @@ __all__ = [
     "Plan",
     "SourceFile",
     "arena",
+    "atomic",
     "build_controlnet_pipeline",
     "check_stream",
     "cli",

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._storage import arena, readahead
+from .._storage import arena, atomic, readahead
 from .._storage.format import align_up, padded_pieces, place_buffers
 from .messages import (
     BufferRow,
@@ -373,7 +373,8 @@ class Store:
             name = f"segment-{segment.id}.bin"
             try:
                 segment.sha256 = _digest(fd, segment.nbytes)
-                _write_file(self._dir_fd, name, lambda out: _send_all(out, fd, segment.nbytes))
+                with atomic.replacing(self._dir_fd, name) as out:
+                    _send_all(out, fd, segment.nbytes)
                 segment.path = name
             except OSError as e:  # the entry is served, just not persisted; the index on disk stays valid
                 segment.sha256 = None
@@ -560,7 +561,8 @@ class Store:
         mac = hmac.new(self._key, body.encode(), hashlib.sha256).hexdigest()
         blob = json.dumps({"version": _INDEX_VERSION, "body": body, "hmac_sha256": mac}).encode()
         try:
-            _write_file(self._dir_fd, _INDEX, lambda out: arena.write_pieces(out, [blob]))
+            with atomic.replacing(self._dir_fd, _INDEX) as out:
+                arena.write_pieces(out, [blob])
         except OSError as e:
             log.warning("could not write the persistence index (%s); the previous one stays", e)
 
@@ -729,9 +731,10 @@ def persistence_key(directory: Path | None = None) -> tuple[bytes, bool]:
                 return key, False
             key = secrets.token_bytes(_KEY_BYTES)
             try:
-                _write_file(
-                    dir_fd, KEY_FILE, lambda out, key=key: arena.write_pieces(out, [key]), replace=False, sync=True
-                )
+                # Flushed: losing the key after a crash would cost every persisted entry (an index or segment
+                # lost that way only means a cold start). Linked, not renamed: another server's key is kept.
+                with atomic.replacing(dir_fd, KEY_FILE, fsync=True, replace=False) as out:
+                    arena.write_pieces(out, [key])
             except FileExistsError:
                 continue  # another server made one meanwhile: use that
             return key, True
@@ -774,30 +777,6 @@ def _open_private_file(dir_fd: int, name: str) -> int:
         os.close(fd)
         raise _ColdStart(f"{name} is not a private regular file of yours (mode {info.st_mode:o}, uid {info.st_uid})")
     return fd
-
-
-def _write_file(dir_fd: int, name: str, fill: Any, *, replace: bool = True, sync: bool = False) -> None:
-    """Create ``name`` in the directory ``dir_fd`` whole, mode 0600, or not at all: written under a fresh
-    temporary name (``O_EXCL | O_NOFOLLOW``), then renamed over ``name`` (or, without ``replace``, linked to it:
-    ``FileExistsError`` if it exists). A failed write leaves the previous file as it was. ``sync`` flushes the
-    data to disk before it gets its name (the key: losing it after a crash would cost every persisted entry; an
-    index or segment lost that way only means a cold start)."""
-    temporary = f".{name}.{secrets.token_hex(6)}.tmp"
-    out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-    try:
-        try:
-            fill(out)
-            if sync:
-                os.fsync(out)
-        finally:
-            os.close(out)
-        if replace:
-            os.rename(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        else:
-            os.link(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary, dir_fd=dir_fd)
 
 
 _READ_QUIETLY = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO planted in a row's place cannot block the open
