@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .isolation import SPAWNER_ENV, WORKDIR_ENV, child_environment, clean_sys_path
+from .lru import Entry
 from .messages import (
     Clear,
     Cleared,
@@ -69,7 +70,7 @@ from .protocol import (
     runtime_dir,
     send,
 )
-from .store import Entry, Store
+from .store import Store
 
 log = logging.getLogger(__name__)
 
