@@ -2,7 +2,8 @@
 storage bytes, or checkpoint files), the entries that reference them (``lru.py``: one cached call each, in LRU
 order, and the calls that cannot be captured) and, optionally, the persistence directory (``persistence.py``).
 
-Every method takes the store's one lock. :meth:`Store.add` evicts
+Every method takes the store's one lock, and nothing outside the store sees its tables: what the server needs
+under the lock (an entry's segments with their fds duplicated, say) is a method here. :meth:`Store.add` evicts
 the least recently used entries until the memfd segments fit in ``max_bytes``, compacting partly used segments
 first. This module needs only the standard library (and ``zerocopy_pickle._storage``'s modules, which need
 nothing else): the server never imports torch.
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .lru import Entries, Entry, files_changed
-from .messages import Get
+from .messages import BufferRow, Get
 from .persistence import Persistence
 from .protocol import CacheError
 from .segments import Segment, Segments
@@ -139,14 +140,26 @@ class Store:
         with self._lock:
             return self._entries.closure(keys)
 
-    @property
-    def lock(self) -> threading.RLock:
-        """The store's lock (the server holds it while it duplicates segment fds)."""
-        return self._lock
+    def segments_for(self, entry: Entry) -> tuple[list[int], list[BufferRow], list[int]]:
+        """The ids of the segments ``entry`` uses, its rows in them and duplicates of the segments' fds (the caller
+        closes them), taken together under the lock: an eviction may close the store's own fds, and a compaction
+        repoint the rows, at any moment.
 
-    def segment_fds(self, ids: list[int]) -> list[int]:
+        Raises:
+            KeyError: a segment is gone (the entry was evicted).
+        """
         with self._lock:
-            return [self._segments.view()[i].fd for i in ids]
+            ids = entry.segment_ids
+            return ids, entry.buffers, self._segments.duplicate_fds(ids)
+
+    def duplicate_fds(self, ids: Sequence[int]) -> list[int]:
+        """Duplicates of the fds of the segments ``ids`` (the caller closes them), taken under the lock.
+
+        Raises:
+            KeyError: a segment is gone.
+        """
+        with self._lock:
+            return self._segments.duplicate_fds(ids)
 
     def dedup_index(self, limit: int) -> tuple[list[int], list[tuple[str, int, int, int]]]:
         """Segments a loader may reference (at most ``limit``, most recent first) and ``[digest, segment,
