@@ -30,7 +30,7 @@ from zerocopy_pickle._devices.plan import (
 )
 from zerocopy_pickle._names import GlobalName
 from zerocopy_pickle._registry.discovery import resolve_name
-from zerocopy_pickle._storage import arena, format, integrity, progress, readahead, remote, sources
+from zerocopy_pickle._storage import arena, atomic, format, integrity, progress, readahead, remote, sources
 from zerocopy_pickle._trust import (
     advice,
     blocklist,
@@ -68,6 +68,7 @@ __all__ = [
     "SourceFile",
     "advice",
     "arena",
+    "atomic",
     "backend",
     "blocklist",
     "check_stream",

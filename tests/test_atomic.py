@@ -2,7 +2,9 @@
 byte-identical and no temporary file behind; a successful one replaces the file by rename, so loads already
 mapping the old snapshot keep seeing it.
 
-Also: ``dump`` to binary file objects, and ``fsync=True``.
+Also: ``dump`` to binary file objects, and ``fsync=True``; and the writer of files in a directory held open
+(``_storage/atomic.py``: the cache's persistence files, the identities of URL downloads), which leaves the previous
+file intact and no temporary behind just as well.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 import zerocopy_pickle as zp
 from tests.conftest import REPO, run_python
-from tests.internals import arena
+from tests.internals import arena, atomic
 
 MiB = 1 << 20
 
@@ -614,3 +616,89 @@ def test_replacing_a_snapshot_swaps_names_atomically(
     zp.dump(small_state(2), path)
     assert listing(path.parent) == before
     assert_state_equal(zp.load(path), small_state(2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The writer of files in a directory held open (_storage/atomic.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def directory(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """A directory with ``old.bin`` in it, and an fd of the directory."""
+    (tmp_path / "old.bin").write_bytes(b"previous content")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield tmp_path, fd
+    finally:
+        os.close(fd)
+
+
+def test_atomic_write_puts_the_new_content_in_place_privately(directory: tuple[Path, int]) -> None:
+    where, fd = directory
+    atomic.write(fd, "old.bin", b"new content")
+    atomic.write(fd, "new.bin", b"a new file", fsync=True)
+    assert (where / "old.bin").read_bytes() == b"new content"
+    assert (where / "new.bin").read_bytes() == b"a new file"
+    assert stat.S_IMODE((where / "new.bin").stat().st_mode) == 0o600
+    assert listing(where) == ["new.bin", "old.bin"]  # no temporary left
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(directory: tuple[Path, int]) -> None:
+    where, fd = directory
+    seen: list[list[str]] = []
+
+    def half_then_full(out: int) -> None:
+        os.write(out, b"half of it")
+        seen.append(listing(where))
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+    def write() -> None:
+        with atomic.replacing(fd, "old.bin") as out:
+            half_then_full(out)
+
+    with pytest.raises(OSError, match="No space"):
+        write()
+    assert len(seen[0]) == 2  # the temporary existed, beside the old file, under another name
+    assert (where / "old.bin").read_bytes() == b"previous content"
+    assert listing(where) == ["old.bin"]
+
+
+@pytest.mark.parametrize("step", ["rename", "fsync"])
+def test_a_failed_rename_or_fsync_leaves_the_old_file_and_no_temporary(
+    directory: tuple[Path, int], monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    where, fd = directory
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, f"{step} failed (simulated)")
+
+    monkeypatch.setattr(os, step, failing)
+    with pytest.raises(OSError, match=f"{step} failed"):
+        atomic.write(fd, "old.bin", b"new content", fsync=True)
+    monkeypatch.undo()
+    assert (where / "old.bin").read_bytes() == b"previous content"
+    assert listing(where) == ["old.bin"]
+
+
+def test_atomic_write_without_replace_keeps_an_existing_file(directory: tuple[Path, int]) -> None:
+    where, fd = directory
+    with pytest.raises(FileExistsError):
+        atomic.write(fd, "old.bin", b"new content", replace=False)
+    atomic.write(fd, "key.bin", b"made once", replace=False)
+    assert (where / "old.bin").read_bytes() == b"previous content"
+    assert (where / "key.bin").read_bytes() == b"made once"
+    assert listing(where) == ["key.bin", "old.bin"]
+
+
+def test_atomic_write_replaces_a_link_at_its_name_and_never_follows_it(
+    directory: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    where, fd = directory
+    victim = tmp_path_factory.mktemp("elsewhere") / "victim"
+    victim.write_bytes(b"do not touch")
+    (where / "link.bin").symlink_to(victim)
+    atomic.write(fd, "link.bin", b"new content")
+    assert not (where / "link.bin").is_symlink()
+    assert (where / "link.bin").read_bytes() == b"new content"
+    assert victim.read_bytes() == b"do not touch"

@@ -22,11 +22,12 @@ from typing import Any
 import pytest
 
 from tests.internals import arena
-from zerocopy_pickle.cache import protocol
-from zerocopy_pickle.cache import store as store_module
+from zerocopy_pickle.cache import persistence, protocol
 from zerocopy_pickle.cache.client import Client
+from zerocopy_pickle.cache.lru import Entry
 from zerocopy_pickle.cache.messages import PLACES, BufferRow, decode_buffer_table, encode_buffer_table
-from zerocopy_pickle.cache.store import KEY_FILE, Entry, Store
+from zerocopy_pickle.cache.persistence import KEY_FILE
+from zerocopy_pickle.cache.store import Store
 
 from .cache_helpers import ServerProcess, private_dir
 from .conftest import REPO
@@ -268,7 +269,7 @@ def test_an_index_of_an_older_format_is_dropped(tmp_path: Path) -> None:
     assert not store.entries and not store.segments and "format" in (store.cold_start or "")
     store.close()
     # The current version's number over the old rows (the index was left as it was): does not decode either.
-    resign_index(persist, keys, lambda body: None, version=store_module._INDEX_VERSION)
+    resign_index(persist, keys, lambda body: None, version=persistence._INDEX_VERSION)
     store = Store(persist=persist, key_dir=keys)
     assert not store.entries and not store.segments and "damaged" in (store.cold_start or "")
     store.close()

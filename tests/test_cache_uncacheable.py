@@ -155,6 +155,7 @@ def test_autostart_leaves_no_resource_warning(tmp_path: Path, fill: str) -> None
 def test_what_reports_make_the_server_hold_is_bounded(tmp_path: Path) -> None:
     """A peer's reports are remembered within bounds: at most MAX_UNCACHEABLE calls and MAX_UNCACHEABLE_FILES file
     checks in all (the least recently asked for go first); the newest report is always kept."""
+    from zerocopy_pickle.cache import lru
     from zerocopy_pickle.cache import store as store_module
     from zerocopy_pickle.cache.messages import MAX_FILE_CHECKS, Call, FileCheck, Get
 
@@ -166,12 +167,12 @@ def test_what_reports_make_the_server_hold_is_bounded(tmp_path: Path) -> None:
         for n in range(40):
             store.mark_uncacheable(Get(f"k{n}", Call("m:f"), "a call", files=checks), "reason")
         rows = store.status()["uncacheable"]
-        assert len(rows) * MAX_FILE_CHECKS <= store_module.MAX_UNCACHEABLE_FILES
+        assert len(rows) * MAX_FILE_CHECKS <= lru.MAX_UNCACHEABLE_FILES
         assert rows[-1]["key"] == "k39" and store.uncacheable("k39") == "reason"
         assert store.uncacheable("k0") is None  # forgotten: the next miss tries it again
-        for n in range(store_module.MAX_UNCACHEABLE + 10):
+        for n in range(lru.MAX_UNCACHEABLE + 10):
             store.mark_uncacheable(Get(f"small{n}", Call("m:f"), "a call"), "reason")
-        assert len(store.status()["uncacheable"]) == store_module.MAX_UNCACHEABLE
+        assert len(store.status()["uncacheable"]) == lru.MAX_UNCACHEABLE
         store.clear()
         assert store.status()["uncacheable"] == []
     finally:

@@ -470,6 +470,8 @@ def _compile(path: Path) -> ModuleType:
             verbose=False,
         )
         _check(module)
+        # Not _storage/atomic.py's writer: native.py is in _storage's layer and may not import it (lint-imports),
+        # and this cache folder is the user's, named by path (a killed build's temporary is removed under the lock).
         staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             shutil.copyfile(workdir / f"{path.stem}.so", staged)

@@ -444,6 +444,10 @@ def atomic_output(path: str | os.PathLike[str], *, fsync: bool = False) -> Itera
         path: the destination.
         fsync: flush the data (and the directory entry) to stable storage before returning.
     """
+    # Not atomic.replacing, the writer of files in a directory held open: a dump's path is the caller's, written
+    # through a link and keeping the replaced file's mode as open(path, "wb") would, and a snapshot is large: an
+    # unnamed O_TMPFILE inode leaves nothing behind even when the process is killed mid-write, and an exchange
+    # instead of a rename (then freeing the old file's pages in the background) keeps writeback out of the dump.
     path = os.path.realpath(os.fspath(path))
     directory, base = os.path.split(path)
     # Keep the temporary name within NAME_MAX (255 bytes) whatever the length of the target's name.

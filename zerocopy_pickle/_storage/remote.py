@@ -49,7 +49,7 @@ from typing import Any
 
 from .._home import home_dir
 from ..errors import ArgumentError, IntegrityError, SnapshotError, ZeroCopyPickleError
-from . import integrity, progress, sources
+from . import atomic, integrity, progress, sources
 
 DIR_ENV = "ZEROCOPY_PICKLE_REMOTE_DIR"
 """The environment variable that sets :func:`remote_dir`."""
@@ -225,16 +225,8 @@ def _read_json(directory: int, name: str, where: Path) -> Any:
         os.close(fd)
 
 
-def _write_json(directory: int, name: str, value: Any, where: Path) -> None:
-    _unlink(directory, name + ".tmp")
-    fd = _open(directory, name + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, where)
-    try:
-        data = memoryview(json.dumps(value).encode())
-        while data:
-            data = data[os.write(fd, data) :]
-    finally:
-        os.close(fd)
-    os.replace(name + ".tmp", name, src_dir_fd=directory, dst_dir_fd=directory)
+def _write_json(directory: int, name: str, value: Any) -> None:
+    atomic.write(directory, name, json.dumps(value).encode())
 
 
 def _unlink(directory: int, name: str) -> None:
@@ -304,7 +296,7 @@ def _fetch(url: str, storage_options: Mapping[str, Any] | None) -> tuple[int, Pa
                 return _open(directory, final, os.O_RDONLY, where), where / final
             if _read_json(directory, part_meta, where) != identity or not identity["version"]:
                 _unlink(directory, part)  # another object (or one that cannot say whether it changed): start over
-                _write_json(directory, part_meta, identity, where)
+                _write_json(directory, part_meta, identity)
             log.info("fetch %s: downloading %d bytes into %s", url, identity["size"], where / final)
             _download(_reader(fs, path, url), directory, part, identity["size"], url, where)
             try:
@@ -314,8 +306,11 @@ def _fetch(url: str, storage_options: Mapping[str, Any] | None) -> tuple[int, Pa
                 _unlink(directory, part_meta)
                 raise
             _unlink(directory, meta)  # a crash before the new identity is written must not leave the old one
+            # Not atomic.replacing: the download is written into `part` window by window, across processes and
+            # interrupted runs (it resumes), and verified there; a failure must keep it to resume from, so only
+            # its final rename is done here.
             os.replace(part, final, src_dir_fd=directory, dst_dir_fd=directory)
-            _write_json(directory, meta, identity, where)
+            _write_json(directory, meta, identity)
             _unlink(directory, part_meta)
             return _open(directory, final, os.O_RDONLY, where), where / final
     finally:

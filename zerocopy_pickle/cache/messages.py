@@ -15,7 +15,7 @@ A request names its kind in ``"op"``; a reply says ``"ok"`` (false: a :class:`Fa
 payload and the file descriptors that travel with a message are described by its fields (an entry's pickle stream
 is the payload of :class:`EntryReply` and :class:`JobResult`; its segments are the fds).
 
-An entry's buffers are :class:`BufferRow` s, the persisted index's too (``store.py``).
+An entry's buffers are :class:`BufferRow` s, the persisted index's too (``persistence.py``).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .isolation import SPAWNER_ENV, WORKDIR_ENV, child_environment, clean_sys_path
+from .lru import Entry
 from .messages import (
     Clear,
     Cleared,
@@ -69,7 +70,7 @@ from .protocol import (
     runtime_dir,
     send,
 )
-from .store import Entry, Store
+from .store import Store
 
 log = logging.getLogger(__name__)
 
@@ -417,12 +418,11 @@ class Server:
             return
         if entry is None:
             entry = self._load(key, request, payload)
-        with self.store.lock:
-            ids = entry.segment_ids
-            # Duplicates, taken under the lock: an eviction may close the store's own fds at any moment.
-            fds = [os.dup(fd) for fd in self.store.segment_fds(ids)]
+        # Duplicates, taken with the ids and rows under the store's lock: an eviction may close the store's own
+        # fds, and a compaction repoint the rows, at any moment.
+        ids, buffers, fds = self.store.segments_for(entry)
         try:
-            send(conn, EntryReply(hit, entry.key, entry.buffers, ids, entry.plugins).encode(), entry.stream, fds)
+            send(conn, EntryReply(hit, entry.key, buffers, ids, entry.plugins).encode(), entry.stream, fds)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -567,8 +567,7 @@ class Server:
                   self.file_segments, request.cwd, background)  # fmt: skip
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with ours:
-            with self.store.lock:
-                segment_fds = [os.dup(fd) for fd in self.store.segment_fds(ids)]
+            segment_fds = self.store.duplicate_fds(ids)
             try:
                 self._submit(job, blob, [theirs.fileno(), *segment_fds])
             finally:
