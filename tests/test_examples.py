@@ -13,6 +13,8 @@ import pytest
 from .conftest import REPO
 from .internals import cli, main
 
+pytestmark = pytest.mark.usefixtures("restore_logging_and_environment")  # main() configures logging as a CLI does
+
 
 def test_the_demo_finds_the_examples_of_the_checkout_it_runs_from() -> None:
     assert cli._examples_checkout() == REPO
