@@ -149,10 +149,15 @@ class Targets:
                 _check_available(_parse(target, self.map_location), location, self.map_location)
 
     def restore(self, storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
-        """Place a freshly rebuilt CPU storage, saved on ``location`` (:func:`restore`)."""
-        if self.stays_on_cpu(location):
+        """Place a freshly rebuilt CPU storage, saved on ``location``, where ``map_location`` sends it.
+
+        Raises:
+            DeviceError: the target does not exist, or a callable returned something that is not a storage.
+        """
+        target = self.target(location)  # worked out once per location: not again in restore()
+        if target is not None and is_cpu(target):
             return storage
-        return restore(storage, location, self.map_location)
+        return _restore_to(storage, location, target, self.map_location)
 
 
 def default_restore(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
@@ -168,13 +173,15 @@ def default_restore(storage: torch.UntypedStorage, location: str) -> torch.Untyp
     return moved
 
 
-def restore(storage: torch.UntypedStorage, location: str, map_location: MapLocation) -> torch.UntypedStorage:
-    """Place a freshly rebuilt CPU storage, saved on ``location``, according to ``map_location``.
+def _restore_to(
+    storage: torch.UntypedStorage, location: str, target: str | None, map_location: MapLocation
+) -> torch.UntypedStorage:
+    """Place a freshly rebuilt CPU storage, saved on ``location``, at ``target`` (``static_target``'s answer for it;
+    None: ``map_location`` is a callable, which decides).
 
     Raises:
         DeviceError: the target does not exist, or a callable returned something that is not a storage.
     """
-    target = static_target(map_location, location)
     if target is not None:
         return default_restore(storage, target)
     assert callable(map_location)
