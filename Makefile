@@ -78,16 +78,19 @@ typecheck: $(TESTSTAMP)
 
 # The suite runs in pytest-xdist's worker processes, handed out test by test (worksteal: a worker that runs dry
 # takes half of another's queue). Four workers on any machine: most tests wait on the interpreters, servers and
-# workers they start, so more workers than this VM's two cores pays (docs/contributing.md). The tests marked slow
-# are handed out first (tests/conftest.py).
+# workers they start, so more workers than this VM's two cores pays (docs/contributing.md). Every worker starts on
+# its share of the tests marked slow (tests/conftest.py).
+# The suite starts some 370 interpreters: bytecode is written (into the checkout's ignored __pycache__ folders) even
+# where the environment sets PYTHONDONTWRITEBYTECODE, or each of them compiles the library again (0.35 s of CPU).
 PYTEST_WORKERS ?= 4
 PARALLEL := -n $(PYTEST_WORKERS) --dist worksteal
+PYTEST_ENV := env -u PYTHONDONTWRITEBYTECODE ZEROCOPY_PICKLE_STRICT_SKIPS=1
 
 pytest: $(TESTSTAMP)
-	ZEROCOPY_PICKLE_STRICT_SKIPS=1 $(PY) -m pytest $(PARALLEL)
+	$(PYTEST_ENV) $(PY) -m pytest $(PARALLEL)
 
 test-fast: $(TESTSTAMP)
-	ZEROCOPY_PICKLE_STRICT_SKIPS=1 $(PY) -m pytest $(PARALLEL) -m "not slow" -q
+	$(PYTEST_ENV) $(PY) -m pytest $(PARALLEL) -m "not slow" -q
 
 test: lint typecheck pytest
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -279,10 +280,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     not import pytest) starts an interpreter that imports the plugin's library: it is marked ``slow`` here, in
     every plugin's subclass.
 
-    In a parallel run (``make test`` runs pytest-xdist's workers, each collecting the same list), the tests
-    marked ``slow`` are handed out first: the long ones start while every worker is free and the short ones fill
-    the gaps, instead of one worker finishing a queue of long tests alone at the end. The sort is stable, so the
-    order within each group stays the files' own; a serial run keeps the order as collected."""
+    In a parallel run (``make test`` runs pytest-xdist's workers, each collecting the same list), every worker
+    starts on its share of the tests marked ``slow`` (:func:`_dealt`): the long ones start while every worker is
+    free and the short ones fill the gaps, instead of one worker finishing a queue of long tests alone at the end.
+    A serial run keeps the order as collected."""
     for item in items:
         if (
             getattr(getattr(item, "function", None), "__qualname__", "")
@@ -290,4 +291,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         ):
             item.add_marker(pytest.mark.slow)
     if hasattr(config, "workerinput"):
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+        items[:] = _dealt(items, int(config.workerinput.get("workercount", 1)))
+
+
+def _dealt(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
+    """``items`` ordered so that each worker of a ``--dist worksteal`` run starts with its share of the slow tests.
+
+    worksteal cuts the list into ``workers`` contiguous shares from the front (``len // workers`` for the first,
+    then the rest likewise) and later moves tests from the tail of the longest queue to a worker that ran dry.
+    With every slow test at the front (the order before), the first worker's share held all of them: the others
+    ran their short tests, then took slow ones only as they stole, the last of them starting near the end. Here
+    the slow tests are dealt round-robin into shares of the sizes worksteal will cut: every share is its slow
+    tests, then short ones (the tail, where stealing takes from). Within each group the files' order stays."""
+    sizes = []
+    left = len(items)
+    for worker in range(workers):
+        sizes.append(left // (workers - worker))
+        left -= sizes[-1]
+    hands: list[list[pytest.Item]] = [[] for _ in sizes]
+    open_hands = itertools.cycle(range(workers))
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            worker = next(open_hands)
+            while len(hands[worker]) == sizes[worker]:  # a full share takes no more (there is room elsewhere)
+                worker = next(open_hands)
+            hands[worker].append(item)
+    rest = iter([item for item in items if item.get_closest_marker("slow") is None])
+    return [
+        item
+        for hand, size in zip(hands, sizes, strict=True)
+        for item in hand + list(itertools.islice(rest, size - len(hand)))
+    ]
