@@ -320,9 +320,25 @@ def check_hostile_arguments(fn: Callable[..., Any], where: str, *, random_tuples
         fn: the function.
         where: names it in failure messages (``"zerocopy_pickle_quirks.bnb:rebuild_quant_state"``).
     """
-    signature, arities = _arities(fn)
-    fillers = (None, 0, "")
     failures: list[str] = []
+    count = 0
+    for labelled in _hostile_tuples(fn, where, random_tuples, seed):
+        count += 1
+        outcome = _outcome(fn, tuple(value for _, value in labelled))
+        if outcome is not None:
+            failures.append(f"{where}{_describe_args(tuple(label for label, _ in labelled))}: {outcome}")
+    if failures:
+        shown = "\n  ".join(failures[:20])
+        more = f"\n  ... and {len(failures) - 20} more" if len(failures) > 20 else ""
+        raise AssertionError(f"{len(failures)} of {count} hostile calls were mishandled:\n  {shown}{more}")
+
+
+def _hostile_tuples(
+    fn: Callable[..., Any], where: str, random_tuples: int, seed: int
+) -> Iterator[list[tuple[str, Any]]]:
+    """The labelled argument tuples :func:`check_hostile_arguments` tries: for every arity ``fn`` can bind, each
+    position holding each hostile value (the others a filler), then ``random_tuples`` random ones."""
+    signature, arities = _arities(fn)
 
     def bindable(n: int) -> bool:
         if signature is None:
@@ -333,58 +349,49 @@ def check_hostile_arguments(fn: Callable[..., Any], where: str, *, random_tuples
             return False
         return True
 
-    def attempt(labelled: list[tuple[str, Any]]) -> None:
-        labels = tuple(label for label, _ in labelled)
-        args = tuple(value for _, value in labelled)
-        _RAN.clear()
-        saved = sys.stdin, sys.stdout, sys.stderr
-        sys.stdin = sys.stdout = sys.stderr = _RecordingStream()
-        try:
-            with warnings.catch_warnings():  # a warning is not a finding, and must not reach the stand-ins
-                warnings.simplefilter("ignore")
-                result = fn(*args)
-        except _Runaway:
-            outcome = f"kept running hostile methods (stopped after {_MAX_RECORDS})"
-        except ZeroCopyPickleError:
-            outcome = None
-        except Exception as e:  # the point: anything but this library's error is a finding
-            outcome = f"raised {type(e).__name__}: {str(e)[:200]} (not a ZeroCopyPickleError)"
-        else:
-            outcome = _judge_result(result, args, saved)
-        finally:
-            sys.stdin, sys.stdout, sys.stderr = saved
-        ran, _RAN[:] = list(_RAN), []
-        if ran:
-            outcome = f"ran hostile methods {ran[:5]}" + (f"; {outcome}" if outcome else "")
-        if outcome is not None:
-            failures.append(f"{where}{_describe_args(labels)}: {outcome}")
-
-    count = 0
-    for n in arities:
-        if not bindable(n):
-            continue
+    usable = [n for n in arities if bindable(n)]
+    assert usable, f"{where}: no argument tuple binds to {signature}"
+    for n in usable:
         if n == 0:
-            attempt([])
-            count += 1
+            yield []
             continue
         for position in range(n):
-            for filler in fillers:
+            for filler in (None, 0, ""):
                 for label, value in hostile_values():
                     labelled = [(repr(filler), filler)] * n
                     labelled[position] = (label, value)
-                    attempt(labelled)
-                    count += 1
-    usable = [n for n in arities if n and bindable(n)]
+                    yield labelled
     rng = random.Random(seed)
-    for _ in range(random_tuples if usable else 0):
+    sized = [n for n in usable if n]
+    for _ in range(random_tuples if sized else 0):
         values = hostile_values()
-        attempt([rng.choice(values) for _ in range(rng.choice(usable))])
-        count += 1
-    assert count, f"{where}: no argument tuple binds to {signature}"
-    if failures:
-        shown = "\n  ".join(failures[:20])
-        more = f"\n  ... and {len(failures) - 20} more" if len(failures) > 20 else ""
-        raise AssertionError(f"{len(failures)} of {count} hostile calls were mishandled:\n  {shown}{more}")
+        yield [rng.choice(values) for _ in range(rng.choice(sized))]
+
+
+def _outcome(fn: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
+    """What was wrong with calling ``fn(*args)`` (None: nothing), with the standard streams replaced by recording
+    stand-ins and every hostile method that ran recorded."""
+    _RAN.clear()
+    saved = sys.stdin, sys.stdout, sys.stderr
+    sys.stdin = sys.stdout = sys.stderr = _RecordingStream()
+    try:
+        with warnings.catch_warnings():  # a warning is not a finding, and must not reach the stand-ins
+            warnings.simplefilter("ignore")
+            result = fn(*args)
+    except _Runaway:
+        outcome: str | None = f"kept running hostile methods (stopped after {_MAX_RECORDS})"
+    except ZeroCopyPickleError:
+        outcome = None
+    except Exception as e:  # the point: anything but this library's error is a finding
+        outcome = f"raised {type(e).__name__}: {str(e)[:200]} (not a ZeroCopyPickleError)"
+    else:
+        outcome = _judge_result(result, args, saved)
+    finally:
+        sys.stdin, sys.stdout, sys.stderr = saved
+    ran, _RAN[:] = list(_RAN), []
+    if ran:
+        outcome = f"ran hostile methods {ran[:5]}" + (f"; {outcome}" if outcome else "")
+    return outcome
 
 
 def _judge_result(result: object, args: tuple[Any, ...], streams: tuple[Any, ...]) -> str | None:
