@@ -27,13 +27,15 @@ def main() -> None:
     package = args.root / "zerocopy_pickle"
     modules = sorted(package.rglob("*.py"))
     sizes = sorted(((len(p.read_text().splitlines()), p.relative_to(package)) for p in modules), reverse=True)
-    functions = []
+    functions, code = [], []  # code: the same without the docstring
     for path in modules:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = (node.end_lineno or node.lineno) - node.lineno + 1
                 functions.append((length, f"{path.relative_to(package)}:{node.name}"))
+                code.append((length - _docstring_lines(node), f"{path.relative_to(package)}:{node.name}"))
     functions.sort(reverse=True)
+    code.sort(reverse=True)
     contracts = tomllib.loads((args.root / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     layers = {tuple(c["containers"]): len(c["layers"]) for c in contracts if c["type"] == "layers"}
     top = sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__")
@@ -43,8 +45,19 @@ def main() -> None:
     print("five biggest functions:", ", ".join(f"{name} {n}" for n, name in functions[:5]))
     print(f"modules over {MODULE_LINES} lines: {sum(1 for n, _ in sizes if n > MODULE_LINES)}")
     print(f"functions over {FUNCTION_LINES} lines: {sum(1 for n, _ in functions if n > FUNCTION_LINES)}")
+    print(
+        f"functions over {FUNCTION_LINES} lines without their docstrings: "
+        + (", ".join(f"{name} {n}" for n, name in code if n > FUNCTION_LINES) or "none")
+    )
     print(f"top-level modules: {len(top)} and packages {packages}")
     print("layers:", ", ".join(f"{'.'.join(k)} {v}" for k, v in layers.items()))
+
+
+def _docstring_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return (first.end_lineno or first.lineno) - first.lineno + 1
+    return 0
 
 
 if __name__ == "__main__":
