@@ -10,8 +10,10 @@ and logger names still spell the private paths: they name them, they do not impo
 
 from __future__ import annotations
 
-from zerocopy_pickle import _cli as cli
 from zerocopy_pickle import _console as console
+from zerocopy_pickle._cli import demo as cli_demo
+from zerocopy_pickle._cli import exits as cli_exits
+from zerocopy_pickle._cli import inspection as cli_inspection
 from zerocopy_pickle._cli import main
 from zerocopy_pickle._console import NOISE, configure_logging, printable, quiet_third_party
 from zerocopy_pickle._core import loadcore, pickler, snapshot
@@ -72,7 +74,9 @@ __all__ = [
     "backend",
     "blocklist",
     "check_stream",
-    "cli",
+    "cli_demo",
+    "cli_exits",
+    "cli_inspection",
     "coldread",
     "configure_logging",
     "console",

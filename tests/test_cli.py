@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from tests.internals import cli, format_global, main
+from tests.internals import cli_exits, cli_inspection, format_global, main
 from zerocopy_pickle import native
 from zerocopy_pickle.cache.protocol import DIR_ENV
 
@@ -153,13 +153,13 @@ def test_help_lists_commands_exit_codes_and_environment() -> None:
     table = proc.stdout.split("exit codes:\n", 1)[1].split("\n\n", 1)[0]
     codes = [int(line.split()[0]) for line in table.splitlines()]
     assert codes == [
-        cli.EXIT_OK,
-        cli.EXIT_ERROR,
-        cli.EXIT_USAGE,
-        cli.EXIT_REFUSED,
-        cli.EXIT_INTEGRITY,
-        cli.EXIT_NO_SERVER,
-        cli.EXIT_INTERRUPTED,
+        cli_exits.EXIT_OK,
+        cli_exits.EXIT_ERROR,
+        cli_exits.EXIT_USAGE,
+        cli_exits.EXIT_REFUSED,
+        cli_exits.EXIT_INTEGRITY,
+        cli_exits.EXIT_NO_SERVER,
+        cli_exits.EXIT_INTERRUPTED,
     ]
     assert codes == [0, 1, 2, 3, 4, 5, 130]  # what scripts rely on: changing one breaks them
     for variable in (native.ENV, native.CACHE_ENV, DIR_ENV):
@@ -204,7 +204,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main(argv)
-    assert exited.value.code == cli.EXIT_USAGE == 2
+    assert exited.value.code == cli_exits.EXIT_USAGE == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: zerocopy-pickle") and "error: " in err
 
@@ -217,7 +217,7 @@ def test_errors_are_one_line_on_stderr_and_json_on_stdout_with_json(
 ) -> None:
     missing = tmp_path / "missing.zcp"
     for command in ("inspect", "scan"):
-        assert main([command, str(missing)]) == cli.EXIT_ERROR == 1
+        assert main([command, str(missing)]) == cli_exits.EXIT_ERROR == 1
         captured = capsys.readouterr()
         assert captured.out == ""
         assert captured.err.startswith(f"zerocopy-pickle {command}: error: ") and captured.err.count("\n") == 1
@@ -235,8 +235,8 @@ def test_interrupted_exits_130(
     def interrupted(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_inspect", interrupted)
-    assert main(["inspect", str(snapshot)]) == cli.EXIT_INTERRUPTED == 130
+    monkeypatch.setattr(cli_inspection, "run_inspect", interrupted)
+    assert main(["inspect", str(snapshot)]) == cli_exits.EXIT_INTERRUPTED == 130
     assert capsys.readouterr().err == "zerocopy-pickle inspect: interrupted\n"
 
 
@@ -251,7 +251,7 @@ def test_a_closed_stdout_ends_quietly(snapshot: Path) -> None:
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # before the child, still importing, writes anything
     err = proc.stderr.read().decode()
-    assert proc.wait(timeout=600) == cli.EXIT_ERROR
+    assert proc.wait(timeout=600) == cli_exits.EXIT_ERROR
     assert err == ""  # no "Broken pipe" error line, no traceback at exit
 
 
@@ -269,7 +269,7 @@ def damaged(snapshot: Path, tmp_path: Path, region: str) -> Path:
 def test_integrity_failures_exit_4(snapshot: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     stream, buffer = damaged(snapshot, tmp_path, "stream"), damaged(snapshot, tmp_path, "buffer")
     # scan checks the stream as a load does; inspect reads the header only unless --verify
-    assert main(["scan", str(stream)]) == cli.EXIT_INTEGRITY == 4
+    assert main(["scan", str(stream)]) == cli_exits.EXIT_INTEGRITY == 4
     assert "does not match its checksum" in capsys.readouterr().err
     assert main(["scan", str(buffer)]) == 3  # the stream is intact; it names a class (Linear) no load allows
     assert main(["inspect", str(buffer)]) == 0
@@ -293,7 +293,7 @@ def test_inspect_verify_passes_on_an_intact_snapshot(snapshot: Path, capsys: pyt
 
 
 def test_scan_says_what_a_restricted_load_refuses(snapshot: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["scan", str(snapshot)]) == cli.EXIT_REFUSED == 3
+    assert main(["scan", str(snapshot)]) == cli_exits.EXIT_REFUSED == 3
     out = capsys.readouterr().out
     assert "  refused  torch.nn.modules.linear:Linear\n" in out
     assert "  allowed  zerocopy_pickle.rebuild:rebuild_storage\n" in out
@@ -383,13 +383,13 @@ def test_scan_labels_a_blocked_global_blocked_beside_code_pickled_by_value(
     with pytest.raises(zp.RestrictedLoadError, match="pickled by value"):
         zp.load(path)
     for allow in ([], ["--allow", "posix:system", "--allow", "cloudpickle.cloudpickle:_builtin_type"]):
-        assert main(["scan", str(path), *allow]) == cli.EXIT_REFUSED
+        assert main(["scan", str(path), *allow]) == cli_exits.EXIT_REFUSED
         out = capsys.readouterr().out
         assert "  blocked  posix:system\n" in out
         assert "  blocked  cloudpickle.cloudpickle:_builtin_type\n" in out  # cloudpickle is on the blocklist
         assert "  allowed  zerocopy_pickle.rebuild:rebuild_storage\n" in out
         assert "allowed  posix" not in out and "pickled by value" in out
-        assert main(["scan", "--json", str(path), *allow]) == cli.EXIT_REFUSED
+        assert main(["scan", "--json", str(path), *allow]) == cli_exits.EXIT_REFUSED
         report = json.loads(capsys.readouterr().out)
         statuses = {g["name"]: g["status"] for g in report["globals"]}
         assert statuses == {
@@ -413,7 +413,7 @@ def test_scan_labels_a_real_cloudpickle_stream_with_os_system(
 
     path = tmp_path / "cloudpickle.zcp"
     path.write_bytes(as_snapshot(cloudpickle.dumps([run, os.system])))
-    assert main(["scan", "--json", str(path)]) == cli.EXIT_REFUSED
+    assert main(["scan", "--json", str(path)]) == cli_exits.EXIT_REFUSED
     report = json.loads(capsys.readouterr().out)
     statuses = {g["name"]: g["status"] for g in report["globals"]}
     assert statuses[f"{os.system.__module__}:system"] == "blocked"
@@ -464,13 +464,13 @@ def test_scan_labels_agree_with_the_load_over_the_hostile_corpus(
             try:
                 names = [format_global(p) for p in zp.scan(data) if p != ("<dynamic>", "<dynamic>")]
             except zp.SnapshotError:  # malformed (a second stream after STOP): scan refuses the file itself
-                assert main(["scan", str(path)]) == cli.EXIT_ERROR
+                assert main(["scan", str(path)]) == cli_exits.EXIT_ERROR
                 capsys.readouterr()
                 continue
             for allow in ([], names):
                 code = main(["scan", "--json", str(path), *(arg for n in allow for arg in ("--allow", n))])
                 report = json.loads(capsys.readouterr().out)
-                assert code == cli.EXIT_REFUSED, (name, report)
+                assert code == cli_exits.EXIT_REFUSED, (name, report)
                 statuses = {(g["module"], g["qualname"]): g["status"] for g in report["globals"]}
                 with pytest.raises((zp.RestrictedLoadError, zp.SnapshotError)) as refused:
                     zp.loads(data, allow=allow)
@@ -564,12 +564,12 @@ def assert_escaped(text: str) -> None:
 
 def test_inspect_and_scan_print_the_file_s_strings_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = hostile_snapshot(tmp_path)
-    assert main(["inspect", str(path)]) == cli.EXIT_OK
+    assert main(["inspect", str(path)]) == cli_exits.EXIT_OK
     out = capsys.readouterr().out
     assert_escaped(out)
     assert "written by: " in out and "zerocopy_pickle \\x1b[2J" in out
     assert "    mod\\x1b[2J" in out and "    m\\n  allowed  forged:q\\x1b[2J" in out
-    assert main(["scan", str(path)]) == cli.EXIT_REFUSED
+    assert main(["scan", str(path)]) == cli_exits.EXIT_REFUSED
     out = capsys.readouterr().out
     assert_escaped(out)
     assert "  refused  m\\n  allowed  forged:q" in out
@@ -578,13 +578,13 @@ def test_inspect_and_scan_print_the_file_s_strings_escaped(tmp_path: Path, capsy
 
 def test_json_output_is_ascii_and_keeps_the_strings_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = hostile_snapshot(tmp_path)
-    assert main(["inspect", "--json", str(path)]) == cli.EXIT_OK
+    assert main(["inspect", "--json", str(path)]) == cli_exits.EXIT_OK
     out = capsys.readouterr().out
     assert out.isascii() and all(c == "\n" or " " <= c <= "~" for c in out)
     report = json.loads(out)
     assert report["producer"] == {"zerocopy_pickle": HOSTILE, "k" + HOSTILE: "1"}
     assert report["globals"] == ["mod" + HOSTILE + ":Name" + HOSTILE, "m\n  allowed  forged:q" + HOSTILE + "\n"]
-    assert main(["scan", "--json", str(path)]) == cli.EXIT_REFUSED
+    assert main(["scan", "--json", str(path)]) == cli_exits.EXIT_REFUSED
     out = capsys.readouterr().out
     assert out.isascii() and all(c == "\n" or " " <= c <= "~" for c in out)
     report = json.loads(out)
@@ -595,30 +595,30 @@ def test_json_output_is_ascii_and_keeps_the_strings_exactly(tmp_path: Path, caps
 def test_an_error_quoting_the_file_is_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A plugin the header names and nobody installed: the error line quotes its name."""
     path = hostile_snapshot(tmp_path, plugins=[("plug" + HOSTILE, "pkg" + HOSTILE)])
-    assert main(["inspect", str(path)]) == cli.EXIT_OK
+    assert main(["inspect", str(path)]) == cli_exits.EXIT_OK
     out = capsys.readouterr().out
     assert_escaped(out)
     assert "plugins:   plug\\x1b[2J" in out
-    assert main(["scan", str(path)]) == cli.EXIT_ERROR
+    assert main(["scan", str(path)]) == cli_exits.EXIT_ERROR
     captured = capsys.readouterr()
     assert captured.err.startswith("zerocopy-pickle scan: error: ") and captured.err.count("\n") == 1
     assert "pip install pkg\\x1b[2J" in captured.err
     for raw in RAW_CONTROLS:
         assert raw not in captured.err
-    assert main(["scan", "--json", str(path)]) == cli.EXIT_ERROR
+    assert main(["scan", "--json", str(path)]) == cli_exits.EXIT_ERROR
     captured = capsys.readouterr()
     assert captured.out.isascii() and "pip install pkg" + HOSTILE in json.loads(captured.out)["error"]
 
 
 def test_log_records_are_escaped(capsys: pytest.CaptureFixture[str]) -> None:
-    from tests.internals import configure_logging
+    from tests.internals import configure_logging, printable
 
     configure_logging(0)
     logging.getLogger("zerocopy_pickle.test").warning("a name from a file: %s\nsecond line", HOSTILE)
     err = capsys.readouterr().err
     for raw in RAW_CONTROLS:
         assert raw not in err
-    assert err == f"WARNING zerocopy_pickle.test: a name from a file: {cli.printable(HOSTILE)}\nsecond line\n"
+    assert err == f"WARNING zerocopy_pickle.test: a name from a file: {printable(HOSTILE)}\nsecond line\n"
 
 
 # --- native ---------------------------------------------------------------------------------------------------------
@@ -773,7 +773,7 @@ def test_no_cache_server_exits_5(
     with private_dir() as directory:
         # no directory at all, a directory without a socket, and a socket nobody listens on (a dead server's)
         monkeypatch.setenv(DIR_ENV, str(directory / "absent"))
-        assert main([command]) == cli.EXIT_NO_SERVER == 5
+        assert main([command]) == cli_exits.EXIT_NO_SERVER == 5
         assert capsys.readouterr().err.startswith(f"zerocopy-pickle {command}: error: no cache server is running (")
         monkeypatch.setenv(DIR_ENV, str(directory))
         assert main([command]) == 5
@@ -797,7 +797,7 @@ def test_the_cache_modules_own_entry_uses_the_same_codes(
 
     with private_dir() as directory:
         monkeypatch.setenv(DIR_ENV, str(directory))
-        assert cache_cli.main(["status"]) == cache_cli.EXIT_NO_SERVER == cli.EXIT_NO_SERVER
+        assert cache_cli.main(["status"]) == cache_cli.EXIT_NO_SERVER == cli_exits.EXIT_NO_SERVER
         assert capsys.readouterr().err.startswith("zerocopy-pickle status: error: no cache server is running at ")
 
         def interrupted() -> None:

@@ -11,19 +11,19 @@ from pathlib import Path
 import pytest
 
 from .conftest import REPO
-from .internals import cli, main
+from .internals import cli_demo, main
 
 pytestmark = pytest.mark.usefixtures("restore_logging_and_environment")  # main() configures logging as a CLI does
 
 
 def test_the_demo_finds_the_examples_of_the_checkout_it_runs_from() -> None:
-    assert cli._examples_checkout() == REPO
+    assert cli_demo._examples_checkout() == REPO
 
 
 def test_the_demo_outside_a_checkout_says_to_run_it_from_a_clone(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cli, "_examples_checkout", lambda: None)
+    monkeypatch.setattr(cli_demo, "_examples_checkout", lambda: None)
     assert main(["demo", "--snapshot"]) == 1
     err = capsys.readouterr().err
     assert "git clone" in err
