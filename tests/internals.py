@@ -30,7 +30,7 @@ from zerocopy_pickle._devices.plan import (
 )
 from zerocopy_pickle._names import GlobalName
 from zerocopy_pickle._registry.discovery import resolve_name
-from zerocopy_pickle._storage import arena, atomic, format, integrity, progress, readahead, remote, sources
+from zerocopy_pickle._storage import arena, atomic, format, integrity, progress, readahead, remote, sources, writes
 from zerocopy_pickle._trust import (
     advice,
     blocklist,
@@ -111,4 +111,5 @@ __all__ = [
     "tags",
     "transfer",
     "walk_stream",
+    "writes",
 ]
