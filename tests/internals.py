@@ -30,7 +30,18 @@ from zerocopy_pickle._devices.plan import (
 )
 from zerocopy_pickle._names import GlobalName
 from zerocopy_pickle._registry.discovery import resolve_name
-from zerocopy_pickle._storage import arena, atomic, format, integrity, progress, readahead, remote, sources, writes
+from zerocopy_pickle._storage import (
+    arena,
+    atomic,
+    decoding,
+    format,
+    integrity,
+    progress,
+    readahead,
+    remote,
+    sources,
+    writes,
+)
 from zerocopy_pickle._trust import (
     advice,
     blocklist,
@@ -76,6 +87,7 @@ __all__ = [
     "coldread",
     "configure_logging",
     "console",
+    "decoding",
     "device",
     "entries",
     "format",
