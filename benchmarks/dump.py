@@ -20,7 +20,7 @@ Methods, each writing a new file in a directory on the file system of ``--dir``:
   renamed into place when complete).
 * ``zp-1w``: the same with one writing thread (``ZEROCOPY_PICKLE_DUMP_WRITERS=1``: a second thread only hashes,
   the writer before issue 24), so before and after are interleaved in one run.
-* ``zp-ftruncate``: ``zp`` with the file sized by ``ftruncate`` instead of ``arena.preallocate``'s
+* ``zp-ftruncate``: ``zp`` with the file sized by ``ftruncate`` instead of ``writes.preallocate``'s
   ``fallocate``.
 * ``zp-nock``: ``zp`` with ``checksums=False``.
 * ``safetensors``: ``safetensors.torch.save_file(state, path)`` (0.8 writes a named temporary file, sized with
@@ -59,7 +59,7 @@ import zerocopy_pickle as zp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's root, where examples/ is
 from examples.models import build_model
-from zerocopy_pickle._storage import arena, integrity
+from zerocopy_pickle._storage import integrity, writes
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 2**20
@@ -110,12 +110,12 @@ def methods(state: dict[str, torch.Tensor]) -> dict[str, Callable[[str], object]
             del os.environ[integrity.WRITERS_ENV]
 
     def ftruncate(path: str) -> None:
-        preallocate = arena.preallocate
-        setattr(arena, "preallocate", os.ftruncate)  # noqa: B010 (mypy: another signature's name)
+        preallocate = writes.preallocate
+        setattr(writes, "preallocate", os.ftruncate)  # noqa: B010 (mypy: another signature's name)
         try:
             zp.dump(state, path)
         finally:
-            setattr(arena, "preallocate", preallocate)  # noqa: B010
+            setattr(writes, "preallocate", preallocate)  # noqa: B010
 
     return {
         "zp": lambda path: zp.dump(state, path),

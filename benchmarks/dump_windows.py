@@ -1,4 +1,4 @@
-"""Write-window size against dump and touch time: why ``arena.WRITE_CHUNK`` is 1 MiB.
+"""Write-window size against dump and touch time: why ``writes.WRITE_CHUNK`` is 1 MiB.
 
 Run it from the repository root, as root (it drops the page cache before every write)::
 

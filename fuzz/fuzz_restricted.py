@@ -42,6 +42,7 @@ with atheris.instrument_imports(include=["zerocopy_pickle", "zerocopy_pickle_qui
     import zerocopy_pickle._core.pickler
     import zerocopy_pickle._core.snapshot
     import zerocopy_pickle._devices.device
+    import zerocopy_pickle._storage.decoding
     import zerocopy_pickle._storage.format
     import zerocopy_pickle._storage.integrity
     import zerocopy_pickle._trust.restricted

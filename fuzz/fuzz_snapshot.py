@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 with atheris.instrument_imports(include=["zerocopy_pickle"]):
     import zerocopy_pickle as zp
+    import zerocopy_pickle._storage.decoding  # the header reader every load runs: instrumented too
     from zerocopy_pickle._storage import format as fmt
 
 from tests.test_fuzz import COST_MODEL_STREAMS

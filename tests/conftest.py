@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.internals import decoding, readahead
 from tests.internals import format as fmt
-from tests.internals import readahead
 from zerocopy_pickle.plugin import default_registry
 
 REPO = Path(__file__).resolve().parent.parent
@@ -144,8 +144,8 @@ def left_behind(before: tuple[set[str], set[threading.Thread]]) -> tuple[set[str
 
 def header_of(data: bytes) -> fmt.Header:
     """The validated header of a snapshot held in ``data``."""
-    header_nbytes, _, _ = fmt.decode_fixed(data[:32], len(data))
-    return fmt.decode_header(data[:32], data[32 : 32 + header_nbytes], len(data))
+    header_nbytes, _, _ = decoding.decode_fixed(data[:32], len(data))
+    return decoding.decode_header(data[:32], data[32 : 32 + header_nbytes], len(data))
 
 
 def mapped_regions(pid: int | str = "self") -> list[tuple[int, int, str]]:

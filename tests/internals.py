@@ -32,7 +32,18 @@ from zerocopy_pickle._devices.plan import (
 )
 from zerocopy_pickle._names import GlobalName
 from zerocopy_pickle._registry.discovery import resolve_name
-from zerocopy_pickle._storage import arena, atomic, format, integrity, progress, readahead, remote, sources
+from zerocopy_pickle._storage import (
+    arena,
+    atomic,
+    decoding,
+    format,
+    integrity,
+    progress,
+    readahead,
+    remote,
+    sources,
+    writes,
+)
 from zerocopy_pickle._trust import (
     advice,
     blocklist,
@@ -80,6 +91,7 @@ __all__ = [
     "coldread",
     "configure_logging",
     "console",
+    "decoding",
     "device",
     "entries",
     "format",
@@ -115,4 +127,5 @@ __all__ = [
     "tags",
     "transfer",
     "walk_stream",
+    "writes",
 ]

@@ -26,7 +26,7 @@ import torch
 
 import zerocopy_pickle as zp
 from tests.conftest import REPO, run_python
-from tests.internals import arena, atomic
+from tests.internals import atomic
 
 MiB = 1 << 20
 
@@ -282,7 +282,7 @@ def test_failed_rename_leaves_no_temporary_file(
         raise OSError(errno.EACCES, "rename refused (simulated)")
 
     monkeypatch.setattr(os, "replace", failing_replace)
-    monkeypatch.setattr(arena, "_exchange", failing_replace)  # the route taken when the target exists
+    monkeypatch.setattr(atomic, "_exchange", failing_replace)  # the route taken when the target exists
     with pytest.raises(OSError, match="rename refused"):
         zp.dump(medium_state(), path)
     assert len(seen) == 1
@@ -600,19 +600,19 @@ def test_replacing_a_snapshot_swaps_names_atomically(
     before = listing(path.parent)
     old_inode = path.stat().st_ino
     exchanged: list[bool] = []
-    real_exchange = arena._exchange
+    real_exchange = atomic._exchange
 
     def spy(new: str, old: str) -> bool:
         exchanged.append(real_exchange(new, old))
         return exchanged[-1]
 
-    monkeypatch.setattr(arena, "_exchange", spy)
+    monkeypatch.setattr(atomic, "_exchange", spy)
     zp.dump(small_state(1), path)
     assert exchanged == [True]
     assert path.stat().st_ino != old_inode
     assert listing(path.parent) == before
     assert_state_equal(zp.load(path), small_state(1))
-    monkeypatch.setattr(arena, "_exchange", lambda new, old: False)
+    monkeypatch.setattr(atomic, "_exchange", lambda new, old: False)
     zp.dump(small_state(2), path)
     assert listing(path.parent) == before
     assert_state_equal(zp.load(path), small_state(2))

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.internals import arena
+from tests.internals import arena, writes
 from zerocopy_pickle.cache import persistence, protocol
 from zerocopy_pickle.cache.client import Client
 from zerocopy_pickle.cache.lru import Entry
@@ -323,7 +323,7 @@ def test_a_failed_index_write_keeps_the_previous_index(tmp_path: Path, monkeypat
     def full_disk(fd: int, pieces: Any) -> int:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(arena, "write_pieces", full_disk)
+    monkeypatch.setattr(writes, "write_pieces", full_disk)
     assert store.clear() == 1  # served from memory all the same
     monkeypatch.undo()
     assert (persist / "index.json").read_bytes() == before

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from tests.internals import arena, integrity
+from tests.internals import arena, integrity, writes
 
 from .conftest import left_behind, settled
 
@@ -84,7 +84,7 @@ def test_checksums_computed_while_writing_are_the_checksums(
     monkeypatch.setenv(integrity.WRITERS_ENV, writers)
     monkeypatch.setattr(integrity, "PARALLEL_HASH_MIN_NBYTES", 0)
     monkeypatch.setattr(integrity, "_HASH_SLICE", 4096 + 3)  # slices that do not divide the buffers
-    buffers = [b"", os.urandom(100), os.urandom(2 * arena.WRITE_CHUNK + 5), bytearray(os.urandom(4096))]
+    buffers = [b"", os.urandom(100), os.urandom(2 * writes.WRITE_CHUNK + 5), bytearray(os.urandom(4096))]
     placed = []
     offset = 0
     for b in buffers:
@@ -92,7 +92,7 @@ def test_checksums_computed_while_writing_are_the_checksums(
         offset += len(b) + 64
     fd = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR, 0o600)
     try:
-        arena.preallocate(fd, offset)
+        writes.preallocate(fd, offset)
         sums = integrity.write_checksummed(fd, placed)
         data = os.pread(fd, offset + 1, 0)
     finally:
@@ -141,7 +141,7 @@ def test_a_failed_write_stops_the_hashing_thread_and_raises(tmp_path: Path, monk
         assert started.wait(5)
         raise OSError(errno.ENOSPC, "no space left")
 
-    monkeypatch.setattr(arena, "write_placed", failing_write)
+    monkeypatch.setattr(writes, "write_placed", failing_write)
     buffers = [os.urandom(64 * 4096) for _ in range(64)]
     before = settled()
     with pytest.raises(OSError) as info:
@@ -152,7 +152,7 @@ def test_a_failed_write_stops_the_hashing_thread_and_raises(tmp_path: Path, monk
 
 
 def test_observer_sees_every_chunk_in_order_before_it_is_written(tmp_path: Path) -> None:
-    piece = os.urandom(arena.WRITE_CHUNK * 2 + 1)
+    piece = os.urandom(writes.WRITE_CHUNK * 2 + 1)
     fd = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR, 0o600)
     seen: list[tuple[int, int, int]] = []  # (piece index, chunk length, bytes of the piece in the file by then)
 
@@ -160,12 +160,12 @@ def test_observer_sees_every_chunk_in_order_before_it_is_written(tmp_path: Path)
         seen.append((index, chunk.nbytes, len(os.pread(fd, len(piece), 10))))
 
     try:
-        arena.write_placed(fd, [(10, piece), (20 + len(piece), b"")], observe=observe)
+        writes.write_placed(fd, [(10, piece), (20 + len(piece), b"")], observe=observe)
         assert os.pread(fd, len(piece), 10) == piece
     finally:
         os.close(fd)
     # Chunks end at multiples of WRITE_CHUNK in the file: the piece starts at offset 10.
-    w = arena.WRITE_CHUNK
+    w = writes.WRITE_CHUNK
     assert [(i, n) for i, n, _ in seen] == [(0, w - 10), (0, w), (0, 11), (1, 0)]
     starts = [0, w - 10, 2 * w - 10]  # where each chunk begins within the piece
     assert all(in_file <= start for (_, _, in_file), start in zip(seen, starts, strict=False))
@@ -177,7 +177,7 @@ def test_each_aligned_window_of_contiguous_buffers_is_written_by_one_call(
     """Buffers laid out back to back (small alignment gaps) at unaligned offsets: every pwrite(v) covers at most one
     WRITE_CHUNK-aligned window, and each window the buffers cover whole is covered by exactly one call, so the page
     cache can build it from folios of the window's size (one page fault per window when a load maps it)."""
-    w = arena.WRITE_CHUNK
+    w = writes.WRITE_CHUNK
     sizes = [w // 3 + 17, w + 5, 64, 3 * w // 2, w - 1, 2 * w + 100]
     placed, at = [], 4096 + 40
     for size in sizes:
@@ -200,7 +200,7 @@ def test_each_aligned_window_of_contiguous_buffers_is_written_by_one_call(
     monkeypatch.setattr(os, "pwritev", record_pwritev)
     fd = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR, 0o600)
     try:
-        arena.write_placed(fd, placed)
+        writes.write_placed(fd, placed)
         for offset, data in placed:
             assert os.pread(fd, len(data), offset) == data
     finally:
@@ -253,7 +253,7 @@ def _failing_fallocate(code: int) -> object:
 
 
 def test_without_fallocate_the_size_is_set_by_ftruncate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(arena, "_fallocate", _failing_fallocate(errno.EOPNOTSUPP))
+    monkeypatch.setattr(writes, "_fallocate", _failing_fallocate(errno.EOPNOTSUPP))
     graph = mixed_graph()
     path = tmp_path / "nofalloc.zcp"
     zp.dump(graph, path)
@@ -266,7 +266,7 @@ def test_a_full_disk_at_preallocation_keeps_the_old_snapshot(tmp_path: Path, mon
     old = {"w": torch.randn(100)}
     zp.dump(old, path)
     before = path.read_bytes()
-    monkeypatch.setattr(arena, "_fallocate", _failing_fallocate(errno.ENOSPC))
+    monkeypatch.setattr(writes, "_fallocate", _failing_fallocate(errno.ENOSPC))
     with pytest.raises(OSError) as info:
         zp.dump({"w": torch.randn(MiB)}, path)
     monkeypatch.undo()
@@ -278,10 +278,10 @@ def test_a_full_disk_at_preallocation_keeps_the_old_snapshot(tmp_path: Path, mon
 def test_preallocate_on_a_memfd_sets_the_size_and_reads_zeros() -> None:
     fd = arena.create_memfd("prealloc-test")
     try:
-        arena.preallocate(fd, 3 * 4096 + 5)
+        writes.preallocate(fd, 3 * 4096 + 5)
         assert os.fstat(fd).st_size == 3 * 4096 + 5
         assert os.pread(fd, 4 * 4096, 0) == bytes(3 * 4096 + 5)
-        arena.preallocate(fd, 0)  # nothing to do
+        writes.preallocate(fd, 0)  # nothing to do
         assert os.fstat(fd).st_size == 3 * 4096 + 5
     finally:
         os.close(fd)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
+from tests.internals import decoding
 from tests.internals import format as fmt
 
 
@@ -44,7 +45,7 @@ def raw_header(blob: bytes) -> bytes:
 
 def decode(data: bytes) -> fmt.Header:
     header_nbytes = struct.unpack_from("<I", data, 12)[0] if len(data) >= 16 else 0
-    return fmt.decode_header(data[:32], data[32 : 32 + header_nbytes], len(data))
+    return decoding.decode_header(data[:32], data[32 : 32 + header_nbytes], len(data))
 
 
 def test_layout_is_aligned_and_consistent() -> None:
@@ -88,7 +89,7 @@ def test_modified_header_helper_is_faithful() -> None:
 @pytest.mark.parametrize("n", [0, 1, 8, 31])
 def test_too_short_for_the_fixed_header(n: int) -> None:
     with pytest.raises(zp.SnapshotError, match="truncated snapshot"):
-        fmt.decode_fixed(snapshot_bytes()[:n], n)
+        decoding.decode_fixed(snapshot_bytes()[:n], n)
 
 
 def test_wrong_magic() -> None:
@@ -133,20 +134,20 @@ def test_header_length_outside_the_cap(header_nbytes: int) -> None:
     data = bytearray(snapshot_bytes())
     struct.pack_into("<I", data, 12, header_nbytes)
     with pytest.raises(zp.SnapshotError, match="header length"):
-        fmt.decode_fixed(bytes(data), len(data))
+        decoding.decode_fixed(bytes(data), len(data))
 
 
 def test_header_longer_than_the_snapshot() -> None:
     data = bytearray(snapshot_bytes())
     struct.pack_into("<Q", data, 16, 40)
     with pytest.raises(zp.SnapshotError, match="smaller than the fixed header plus"):
-        fmt.decode_fixed(bytes(data), None)
+        decoding.decode_fixed(bytes(data), None)
 
 
 def test_truncated_file() -> None:
     data = snapshot_bytes()
     with pytest.raises(zp.SnapshotError, match="truncated snapshot: the header says"):
-        fmt.decode_fixed(data[:100], len(data) - 1)
+        decoding.decode_fixed(data[:100], len(data) - 1)
 
 
 def test_trailing_bytes() -> None:
@@ -358,7 +359,7 @@ def test_bad_plugins_and_producer() -> None:
 def test_any_layout_decodes_to_itself(stream_nbytes: int, sizes: list[int], locations: str) -> None:
     specs = [fmt.BufferSpec(n, locations, "float16" if n % 2 else None, n % 3 == 0) for n in sizes]
     layout = fmt.encode(stream_nbytes, specs, plugins=[fmt.PluginRef("p", "pkg")], producer={"x": "1"})
-    header = fmt.decode_header(layout.prefix[:32], layout.prefix[32:], layout.total_nbytes)
+    header = decoding.decode_header(layout.prefix[:32], layout.prefix[32:], layout.total_nbytes)
     assert header.stream_offset == layout.stream_offset
     assert header.data_offset == layout.data_offset
     assert header.total_nbytes == layout.total_nbytes
@@ -469,7 +470,7 @@ def test_the_writer_refuses_what_a_reader_would() -> None:
     ok_plugins = [fmt.PluginRef(f"p{i}", "pkg") for i in range(fmt.MAX_PLUGINS)]
     ok_producer = {f"k{i}": "v" * fmt.MAX_PRODUCER_VALUE for i in range(fmt.MAX_PRODUCER_ENTRIES)}
     layout = fmt.encode(1, [], plugins=ok_plugins, producer=ok_producer)
-    header = fmt.decode_header(layout.prefix[:32], layout.prefix[32:], layout.total_nbytes)
+    header = decoding.decode_header(layout.prefix[:32], layout.prefix[32:], layout.total_nbytes)
     assert header.plugins == tuple(ok_plugins) and header.producer == ok_producer
     with pytest.raises(zp.SnapshotError, match="at most 64 plugins"):
         fmt.encode(1, [], plugins=[*ok_plugins, fmt.PluginRef("x", "y")])
@@ -561,7 +562,7 @@ def test_long_numbers_are_refused_cheaply_where_python_s_digit_bound_is_lifted()
 def test_a_header_nested_past_the_parser_s_recursion_is_a_snapshot_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """The nesting check runs first; if it ever let a deep header through, the parser's RecursionError would
     still be a SnapshotError."""
-    monkeypatch.setattr(fmt, "_check_nesting", lambda blob: None)
+    monkeypatch.setattr(decoding, "_check_nesting", lambda blob: None)
     deep = 200_000
     with pytest.raises(zp.SnapshotError, match="nests too deeply|not valid JSON"):
         decode(raw_header(b"[" * deep + b"]" * deep))
@@ -576,7 +577,7 @@ def _peak_decoding(data: bytes) -> int:
     tracemalloc.start()
     try:
         with pytest.raises(zp.SnapshotError):
-            fmt.decode_header(data[:32], blob, None)
+            decoding.decode_header(data[:32], blob, None)
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

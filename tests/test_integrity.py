@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
+from tests.internals import decoding, integrity
 from tests.internals import format as fmt
-from tests.internals import integrity
 
 KEY = b"a secret shared by the writer and the reader"
 
@@ -162,4 +162,4 @@ def test_malformed_integrity_fields() -> None:
         edited = blob.replace(old, new)
         fixed = struct.pack("<8sIIQII", fmt.MAGIC, 0, len(edited), len(data), zlib.crc32(edited), 0)
         with pytest.raises(zp.SnapshotError, match=match):
-            fmt.decode_header(fixed, edited, None)
+            decoding.decode_header(fixed, edited, None)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from tests.internals import arena, integrity
+from tests.internals import arena, decoding, integrity
 from tests.internals import format as fmt
 
 from .conftest import region_of, run_python
@@ -81,7 +81,7 @@ def test_the_nesting_bound_is_exact() -> None:
     def decode(blob: bytes) -> fmt.Header:
         f = bytearray(fixed)
         struct.pack_into("<IQI", f, 12, len(blob), 32 + len(blob), zlib.crc32(blob))
-        return fmt.decode_header(bytes(f), blob, None)
+        return decoding.decode_header(bytes(f), blob, None)
 
     depth = fmt.MAX_HEADER_DEPTH
     with pytest.raises(zp.SnapshotError, match="must be a JSON object"):  # parsed, then refused for its type

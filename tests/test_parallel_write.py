@@ -21,12 +21,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
-from tests.internals import arena, integrity
+from tests.internals import integrity, writes
 
 from .conftest import left_behind, settled
 
 MiB = 1 << 20
-W = arena.WRITE_CHUNK
+W = writes.WRITE_CHUNK
 
 # Buffer sizes around the window size and the format's alignments, and odd ones.
 SIZES = st.one_of(
@@ -73,7 +73,7 @@ def write_recorded(path: Path, size: int, write: Callable[[int], object]) -> lis
 
     fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o600)
     try:
-        arena.preallocate(fd, size)
+        writes.preallocate(fd, size)
         os.pwrite, os.pwritev = record_pwrite, record_pwritev  # type: ignore[assignment]
         try:
             write(fd)
@@ -95,7 +95,7 @@ def test_shares_write_the_bytes_and_calls_of_write_placed_and_hash_every_buffer_
 ) -> None:
     placed = layout(sizes, start)
     size = max([offset + len(b) for offset, b in placed] + [1])
-    shares = arena.split_placed(placed, parts)
+    shares = writes.split_placed(placed, parts)
     if shares is None:
         return  # nothing to divide (fewer than two filled buffers, or no balanced cut): write_placed does it all
     assert [s.first for s in shares] == sorted({s.first for s in shares})
@@ -103,7 +103,7 @@ def test_shares_write_the_bytes_and_calls_of_write_placed_and_hash_every_buffer_
     for before, after in itertools.pairwise(shares):
         assert before.stop == after.first and before.hi == after.lo and after.lo % W == 0
 
-    serial_calls = write_recorded(scratch / "serial", size, lambda fd: arena.write_placed(fd, placed))
+    serial_calls = write_recorded(scratch / "serial", size, lambda fd: writes.write_placed(fd, placed))
     hashers = [integrity._xxh3().xxh3_64() for _ in placed]
     observers: dict[int, set[int]] = {}
     reported: list[int] = []
@@ -115,7 +115,7 @@ def test_shares_write_the_bytes_and_calls_of_write_placed_and_hash_every_buffer_
     parallel_calls = write_recorded(
         scratch / "parallel",
         size,
-        lambda fd: arena.write_shares(fd, shares, observe=observe, progress=reported.append),
+        lambda fd: writes.write_shares(fd, shares, observe=observe, progress=reported.append),
     )
     assert (scratch / "parallel").read_bytes() == (scratch / "serial").read_bytes()
     assert parallel_calls == serial_calls  # the same windows, each filled by one call
@@ -155,15 +155,15 @@ def test_write_checksummed_in_two_threads_gives_the_checksums(
 
 
 def spy_on_write_shares(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A list that gets an entry for every call of arena.write_shares (the parallel writer)."""
+    """A list that gets an entry for every call of writes.write_shares (the parallel writer)."""
     used: list[int] = []
-    real = arena.write_shares
+    real = writes.write_shares
 
     def spy(*args: Any, **kwargs: Any) -> None:
         used.append(len(args[1]))
         real(*args, **kwargs)
 
-    monkeypatch.setattr(arena, "write_shares", spy)
+    monkeypatch.setattr(writes, "write_shares", spy)
     return used
 
 

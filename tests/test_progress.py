@@ -22,7 +22,7 @@ import torch
 import tqdm
 
 import zerocopy_pickle as zp
-from tests.internals import arena, progress, remote
+from tests.internals import progress, remote, writes
 from zerocopy_pickle.cache import entries
 from zerocopy_pickle.errors import ArgumentError
 
@@ -183,10 +183,10 @@ def test_write_pieces_reports_in_steps_and_writes_the_same_bytes(tmp_path: Path)
     pieces = [b"head", bytes(range(256)) * ((40 << 20) // 256), b"", b"tail"]
     reports: list[int] = []
     with open(tmp_path / "out", "wb") as f:
-        total = arena.write_pieces(f.fileno(), pieces, progress=reports.append)
+        total = writes.write_pieces(f.fileno(), pieces, progress=reports.append)
     assert (tmp_path / "out").read_bytes() == b"".join(pieces)
     assert sum(reports) == total == sum(map(len, pieces))
-    assert len(reports) >= 3 and max(reports) <= 2 * arena.PROGRESS_STEP  # a bar that moves, not one 40 MiB jump
+    assert len(reports) >= 3 and max(reports) <= 2 * writes.PROGRESS_STEP  # a bar that moves, not one 40 MiB jump
 
 
 def test_write_placed_reports_each_window_not_the_padding(tmp_path: Path) -> None:
@@ -194,9 +194,9 @@ def test_write_placed_reports_each_window_not_the_padding(tmp_path: Path) -> Non
     placed = [(0, b"x" * 100), (8192, big), (8192 + len(big) + 100, b"y" * 10)]
     reports: list[int] = []
     with open(tmp_path / "out", "wb") as f:
-        arena.write_placed(f.fileno(), placed, progress=reports.append)
+        writes.write_placed(f.fileno(), placed, progress=reports.append)
     assert sum(reports) == 100 + len(big) + 10
-    assert max(reports) <= arena.WRITE_CHUNK
+    assert max(reports) <= writes.WRITE_CHUNK
     data = (tmp_path / "out").read_bytes()
     assert data[8192 : 8192 + len(big)] == big and data[-10:] == b"y" * 10
 

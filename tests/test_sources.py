@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from tests.internals import format, sources
+from tests.internals import decoding, format, sources
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_every_reader_refuses_the_same_way(blob: bytes, kind: str) -> None:
             header_nbytes = int.from_bytes(data[12:16], "little")  # the header read by hand, as the format lays it out
             json_header = data[format.FIXED_NBYTES : format.FIXED_NBYTES + header_nbytes]
             with pytest.raises(zp.SnapshotError) as expected:
-                format.decode_header(data[: format.FIXED_NBYTES], json_header, nbytes)
+                decoding.decode_header(data[: format.FIXED_NBYTES], json_header, nbytes)
             with pytest.raises(zp.SnapshotError) as got:
                 sources.read_header(reader(data), nbytes)
             assert str(got.value) == str(expected.value)

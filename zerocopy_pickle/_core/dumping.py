@@ -20,7 +20,7 @@ import torch
 
 from .._registry.preparation import check_offloaded, dump_reductions, refuse_offloaded_modules
 from .._registry.registry import Registry
-from .._storage import arena, format, integrity, progress
+from .._storage import format, integrity, progress, writes
 from .._trust.restricted import scan_stream
 from .._version import __version__
 from ..errors import ArgumentError, DumpError, TrustedOnlyWarning, Unpicklable
@@ -169,7 +169,7 @@ class Prepared:
             self.pieces = []
             return
         layout = self.layout
-        pieces: list[arena.Piece] = [layout.prefix, body]
+        pieces: list[writes.Piece] = [layout.prefix, body]
         pieces += format.padded_pieces(
             views,
             [layout.data_offset + offset for offset in layout.buffer_offsets],
@@ -184,7 +184,7 @@ class Prepared:
         those checksums, and the stream. Gaps are left to read as zeros. A progress bar (``desc``) counts every
         byte but the gaps', where :func:`progress.bar` shows one."""
         layout = self.layout
-        arena.preallocate(fd, layout.total_nbytes)
+        writes.preallocate(fd, layout.total_nbytes)
         offsets = [layout.data_offset + offset for offset in layout.buffer_offsets]
         placed = list(zip(offsets, self.views, strict=True))
         nbytes = len(layout.prefix) + self.body.nbytes + sum(view.nbytes for view in self.views)
@@ -198,7 +198,7 @@ class Prepared:
                     self.layout.buffer_offsets,
                 ):
                     raise AssertionError("the header changed length once its checksums were filled in")
-            arena.write_placed(fd, [(0, layout.prefix), (layout.stream_offset, self.body)], progress=report)
+            writes.write_placed(fd, [(0, layout.prefix), (layout.stream_offset, self.body)], progress=report)
 
 
 def _note_path(

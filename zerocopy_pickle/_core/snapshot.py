@@ -25,7 +25,7 @@ from typing import IO, Any, Union
 
 from .._devices.device import MapLocation, Targets, is_cpu
 from .._registry.registry import Registry
-from .._storage import arena, format, integrity, progress, readahead, remote, sources
+from .._storage import arena, atomic, format, integrity, progress, readahead, remote, sources, writes
 from .._trust.entries import AllowSpec
 from .._trust.restricted import scan_stream
 from ..errors import ArgumentError, SnapshotError, ZeroCopyPickleError
@@ -119,7 +119,7 @@ def dump(
         def write(path: Path) -> None:
             prepared = Prepared(obj, backend, checksums, key, registry, for_file=True, offloaded=offloaded)
             warn_if_trusted_only(obj, prepared, registry)
-            with arena.atomic_output(path) as fd:
+            with atomic.atomic_output(path) as fd:
                 prepared.write_file(fd, f"dump {url:.60}")
 
         remote.upload(url, write, storage_options)
@@ -131,13 +131,13 @@ def dump(
         _check_folder(f)  # before pickling, and naming the user's path, not the temporary file's
         prepared = Prepared(obj, backend, checksums, key, registry, for_file=True, offloaded=offloaded)
         warn_if_trusted_only(obj, prepared, registry)
-        with arena.atomic_output(f, fsync=fsync) as fd:
+        with atomic.atomic_output(f, fsync=fsync) as fd:
             prepared.write_file(fd, f"dump {os.path.basename(os.fsdecode(f))}")
     elif hasattr(f, "write"):
         prepared = Prepared(obj, backend, checksums, key, registry, offloaded=offloaded)
         warn_if_trusted_only(obj, prepared, registry)
         with progress.bar(prepared.layout.total_nbytes, "dump") as report:
-            arena.write_pieces_to_file(f, prepared.pieces, progress=report)  # type: ignore[arg-type]
+            writes.write_pieces_to_file(f, prepared.pieces, progress=report)  # type: ignore[arg-type]
     else:
         raise ArgumentError(f"dump() needs a path or a binary file object, not {type(f).__name__}")
     log.info("dumped %s: %d bytes, %d buffers, %.3f s", _name(f), prepared.layout.total_nbytes, len(prepared.views),
@@ -225,7 +225,7 @@ def freeze(
     fd = arena.create_memfd(name)
     try:
         with progress.bar(prepared.layout.total_nbytes, f"freeze {name}") as report:
-            arena.write_pieces(fd, prepared.pieces, progress=report)
+            writes.write_pieces(fd, prepared.pieces, progress=report)
         arena.seal(fd)
         log.debug("froze %d bytes, %d buffers into memfd %r, %.3f s", prepared.layout.total_nbytes,
                   len(prepared.views), name, time.perf_counter() - start)  # fmt: skip

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import ArgumentError, IntegrityError
-from . import arena
+from . import arena, writes
 from .format import CHECKSUM_ALGORITHM, Checksums, Header
 
 _DOMAIN = b"zerocopy_pickle snapshot signature v2\0"
@@ -98,12 +98,12 @@ def writers(nbytes: int = 0) -> int:
 def write_checksummed(
     fd: int, placed: Sequence[tuple[int, Any]], *, progress: Callable[[int], object] | None = None
 ) -> tuple[str, ...]:
-    """Write each ``(offset, buffer)`` at its offset of ``fd`` (the calls :func:`arena.write_placed` makes, which
+    """Write each ``(offset, buffer)`` at its offset of ``fd`` (the calls :func:`writes.write_placed` makes, which
     tell ``progress`` what they wrote) and return the buffers' checksums (as :func:`checksum` gives them).
 
     Each chunk is hashed just before it is written, while it is in the CPU cache. Where the process may run on
     two or more CPUs and the buffers hold at least :data:`PARALLEL_HASH_MIN_NBYTES`, two threads share the work
-    (:func:`arena.split_placed`: the file cut at a window boundary between buffers, balancing bytes, each
+    (:func:`writes.split_placed`: the file cut at a window boundary between buffers, balancing bytes, each
     buffer hashed whole by one thread); where the buffers cannot be divided so (one huge buffer), or
     :data:`WRITERS_ENV` is ``1``, one thread writes while a second one hashes (xxhash releases the GIL). Either
     way an error from any thread propagates once every thread stopped, and the buffers are only read.
@@ -116,12 +116,12 @@ def write_checksummed(
         hashers[i].update(chunk)
 
     if nbytes < PARALLEL_HASH_MIN_NBYTES or _usable_cpus() < 2:
-        arena.write_placed(fd, placed, observe=observe, progress=progress)
+        writes.write_placed(fd, placed, observe=observe, progress=progress)
         return tuple(h.hexdigest() for h in hashers)
     count = writers(nbytes)
-    shares = arena.split_placed(placed, count) if count > 1 else None
+    shares = writes.split_placed(placed, count) if count > 1 else None
     if shares is not None:
-        arena.write_shares(fd, shares, observe=observe, progress=progress)
+        writes.write_shares(fd, shares, observe=observe, progress=progress)
         return tuple(h.hexdigest() for h in hashers)
 
     stop = threading.Event()
@@ -141,7 +141,7 @@ def write_checksummed(
     worker = threading.Thread(target=hash_all, name="zerocopy_pickle-checksums", daemon=True)
     worker.start()
     try:
-        arena.write_placed(fd, placed, progress=progress)
+        writes.write_placed(fd, placed, progress=progress)
     except BaseException:
         stop.set()
         raise
@@ -159,11 +159,11 @@ def write_buffers(
     nbytes = sum(memoryview(b).nbytes for _, b in placed)
     if nbytes >= PARALLEL_HASH_MIN_NBYTES and _usable_cpus() >= 2:
         count = writers(nbytes)
-        shares = arena.split_placed(placed, count) if count > 1 else None
+        shares = writes.split_placed(placed, count) if count > 1 else None
         if shares is not None:
-            arena.write_shares(fd, shares, progress=progress)
+            writes.write_shares(fd, shares, progress=progress)
             return
-    arena.write_placed(fd, placed, progress=progress)
+    writes.write_placed(fd, placed, progress=progress)
 
 
 def _usable_cpus() -> int:

@@ -3,7 +3,7 @@
 :func:`bar` decides once per operation whether a bar is worth showing: only when ``sys.stderr`` is a terminal,
 the operation moves at least :data:`THRESHOLD` bytes (``$ZEROCOPY_PICKLE_PROGRESS_MIN``), and
 ``$ZEROCOPY_PICKLE_PROGRESS`` is not ``0``. Then it yields a tqdm bar's ``update`` (tqdm is imported only then);
-otherwise it yields ``None``, and the writers it is passed to (:func:`zerocopy_pickle._storage.arena.write_placed` and
+otherwise it yields ``None``, and the writers it is passed to (:func:`zerocopy_pickle._storage.writes.write_placed` and
 friends take ``progress=``) skip even the call: a dump without a bar runs exactly the code it ran before bars
 existed. Writers report per window or write call (a MiB or more), never per byte.
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import BinaryIO, Literal, NamedTuple, Union
 
 from ..errors import ArgumentError, SnapshotError
-from . import arena, format
+from . import arena, decoding, format
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -57,7 +57,7 @@ def claimed_nbytes(read: ReadAt) -> int:
     Raises:
         SnapshotError: fewer than 32 bytes, or a malformed fixed header.
     """
-    _, total, _ = format.decode_fixed(read(0, format.FIXED_NBYTES), None)
+    _, total, _ = decoding.decode_fixed(read(0, format.FIXED_NBYTES), None)
     return total
 
 
@@ -69,8 +69,8 @@ def read_header(read: ReadAt, nbytes: int | None) -> format.Header:
         SnapshotError: the header is malformed, or disagrees with ``nbytes``.
     """
     fixed = read(0, format.FIXED_NBYTES)
-    header_nbytes, _, _ = format.decode_fixed(fixed, nbytes)
-    return format.decode_header(fixed, read(format.FIXED_NBYTES, header_nbytes), nbytes)
+    header_nbytes, _, _ = decoding.decode_fixed(fixed, nbytes)
+    return decoding.decode_header(fixed, read(format.FIXED_NBYTES, header_nbytes), nbytes)
 
 
 class Opened(NamedTuple):
@@ -343,7 +343,7 @@ def _open_buffer(data: object, copy: bool | None, what: str, needs: str) -> tupl
     copied = bool(copy or not zero_copy_possible)
     if copied:
         if view.nbytes < format.FIXED_NBYTES:
-            format.decode_fixed(view, view.nbytes)  # raises the truncation error
+            decoding.decode_fixed(view, view.nbytes)  # raises the truncation error
         memory = arena.anonymous(view.nbytes)
         memory[:] = view
         view = memoryview(memory)

@@ -28,7 +28,7 @@ import torch
 from .._core.loadcore import BufferTable, LoadPolicy, argument, load_stream
 from .._core.pickler import ZeroCopyPickler
 from .._registry.preparation import dump_reductions
-from .._storage import arena, progress
+from .._storage import arena, progress, writes
 from .._storage.format import BufferSpec, PluginRef, padded_pieces, place_buffers
 from .._storage.integrity import checksum
 from . import filebacked
@@ -218,7 +218,7 @@ def build_segment(
         # A bar only where this runs with a terminal on stderr: a caller that files in its own thread, or a
         # server started in one (a forked filing child writes its stderr to fill.log).
         with progress.bar(end, "cache fill") as report:
-            arena.write_pieces(fd, padded_pieces(new_views, offsets), progress=report)
+            writes.write_pieces(fd, padded_pieces(new_views, offsets), progress=report)
         arena.seal(fd)
     except BaseException:
         os.close(fd)

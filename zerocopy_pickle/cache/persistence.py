@@ -11,8 +11,8 @@ clients map is exactly what was persisted and can no longer change; a segment th
 persisted drops only the entries using it (and those that took them as arguments); anything else amiss and the
 server starts cold, having unpickled nothing (nothing in the directory is ever unpickled by the server: entries'
 streams are bytes it hands to the user's own clients). This module needs only the standard library (and
-``zerocopy_pickle._storage``'s ``arena``, ``atomic`` and ``readahead``, which need nothing else): the server
-never imports torch.
+``zerocopy_pickle._storage``'s ``arena``, ``atomic``, ``readahead`` and ``writes``, which need nothing else): the
+server never imports torch.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .._storage import arena, atomic, readahead
+from .._storage import arena, atomic, readahead, writes
 from .lru import Entries, Entry
 from .protocol import CacheError, open_private_directory, runtime_dir
 from .segments import Segment, Segments, identity
@@ -120,7 +120,7 @@ class Persistence:
         blob = json.dumps({"version": _INDEX_VERSION, "body": body, "hmac_sha256": mac}).encode()
         try:
             with atomic.replacing(self._dir_fd, _INDEX) as out:
-                arena.write_pieces(out, [blob])
+                writes.write_pieces(out, [blob])
         except OSError as e:
             self._log.warning("could not write the persistence index (%s); the previous one stays", e)
 
@@ -304,7 +304,7 @@ def persistence_key(directory: Path | None = None) -> tuple[bytes, bool]:
                 # Flushed: losing the key after a crash would cost every persisted entry (an index or segment
                 # lost that way only means a cold start). Linked, not renamed: another server's key is kept.
                 with atomic.replacing(dir_fd, KEY_FILE, fsync=True, replace=False) as out:
-                    arena.write_pieces(out, [key])
+                    writes.write_pieces(out, [key])
             except FileExistsError:
                 continue  # another server made one meanwhile: use that
             return key, True

@@ -11,8 +11,8 @@ were evicted (the LayerNorm weights two checkpoints have in common), which would
 So before evicting anything more, the store *compacts*: :meth:`Segments.compact` copies the ranges still in use
 into a new, smaller sealed memfd and the entries are repointed. Clients that mapped the old segment keep their
 mapping; a load in flight that references the old ranges is repointed when its entry arrives
-(:meth:`Segments.place`). This module needs only the standard library (and ``zerocopy_pickle._storage.format``
-and ``arena``, which need nothing else): the server never imports torch.
+(:meth:`Segments.place`). This module needs only the standard library (and ``zerocopy_pickle._storage.format``,
+``arena`` and ``writes``, which need nothing else): the server never imports torch.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from .._storage import arena
+from .._storage import arena, writes
 from .._storage.format import align_up, padded_pieces, place_buffers
 from .messages import BufferRow
 from .protocol import CacheError
@@ -299,7 +299,7 @@ def _write_ranges(out: int, source: mmap.mmap, ranges: dict[int, int], layout: d
     with memoryview(source) as view:
         kept = sorted(ranges, key=layout.__getitem__)
         pieces = padded_pieces([view[o : o + ranges[o]] for o in kept], [layout[o] for o in kept], end=size)
-        written = arena.write_pieces(out, pieces)
+        written = writes.write_pieces(out, pieces)
         del pieces
     if written != size:
         raise OSError(f"short write while compacting a segment: {written} of {size} bytes")
