@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zerocopy_pickle as zp
-from tests.internals import safe_set, safe_tensors
+from tests.internals import safe_composite, safe_set, safe_tensors
 from zerocopy_pickle import validate
 
 from .conftest import header_of
@@ -252,7 +252,7 @@ def test_the_copies_are_charged() -> None:
     indices = torch.zeros(2, 1000, dtype=torch.int64)
     values = torch.ones(1000)
     # the indices copied (2000) and the values the check reads (1000)
-    assert spent(safe_tensors.safe_rebuild_sparse_tensor, torch.sparse_coo, (indices, values, (4, 4))) == 3000
+    assert spent(safe_composite.safe_rebuild_sparse_tensor, torch.sparse_coo, (indices, values, (4, 4))) == 3000
 
 
 @pytest.mark.parametrize(
@@ -267,7 +267,7 @@ def test_nested_components_past_the_buffer_are_refused_without_overflow(
     sizes: list[list[int]], strides: list[list[int]], offsets: list[int]
 ) -> None:
     with pytest.raises(zp.UnsafeArgumentError, match="reaches past the buffer"):
-        safe_tensors.safe_rebuild_nested_tensor(
+        safe_composite.safe_rebuild_nested_tensor(
             torch.arange(4.0), torch.tensor(sizes), torch.tensor(strides), torch.tensor(offsets)
         )
 
@@ -275,6 +275,6 @@ def test_nested_components_past_the_buffer_are_refused_without_overflow(
 def test_meta_index_tensors_are_refused() -> None:
     meta = torch.empty(2, 2, dtype=torch.int64, device="meta")
     with pytest.raises(zp.UnsafeArgumentError, match="meta tensor"):
-        safe_tensors.safe_rebuild_sparse_tensor(torch.sparse_coo, (meta, torch.ones(2), (2, 2)))
+        safe_composite.safe_rebuild_sparse_tensor(torch.sparse_coo, (meta, torch.ones(2), (2, 2)))
     with pytest.raises(zp.UnsafeArgumentError, match="meta tensor"):
-        safe_tensors.safe_rebuild_nested_tensor(torch.arange(4.0), meta, torch.ones(2, 2, dtype=torch.int64), meta[0])
+        safe_composite.safe_rebuild_nested_tensor(torch.arange(4.0), meta, torch.ones(2, 2, dtype=torch.int64), meta[0])

@@ -21,7 +21,7 @@ from ..errors import SnapshotError
 # torch._utils._sparse_tensors_to_validate; torch.load validates that list (when sparse invariant checks are on,
 # torch.sparse.check_sparse_tensor_invariants) and clears it before it returns. A load here does the same for the
 # tensors it added, and releases them whether it succeeds or fails, so none stays referenced by torch for good.
-# (Restricted loads rebuild sparse tensors with safe_tensors.safe_rebuild_sparse_tensor, which checks at once and
+# (Restricted loads rebuild sparse tensors with safe_composite.safe_rebuild_sparse_tensor, which checks at once and
 # adds nothing; a trusted load runs torch's own.) Entries of other loads running at the same time are left alone.
 @contextlib.contextmanager
 def sparse_tensors_checked() -> Iterator[None]:

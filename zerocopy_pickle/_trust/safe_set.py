@@ -42,17 +42,17 @@ from ..validate import (
     expect_str,
     fail,
 )
-from .safe_tensors import (
+from .safe_composite import safe_rebuild_nested_tensor, safe_rebuild_qtensor, safe_rebuild_sparse_tensor
+from .safe_parameters import (
     safe_parameter,
     safe_rebuild_from_type_v2,
+    safe_rebuild_parameter,
+    safe_rebuild_parameter_with_state,
+)
+from .safe_tensors import (
     safe_rebuild_memory_format,
     safe_rebuild_meta_storage,
     safe_rebuild_meta_tensor_no_storage,
-    safe_rebuild_nested_tensor,
-    safe_rebuild_parameter,
-    safe_rebuild_parameter_with_state,
-    safe_rebuild_qtensor,
-    safe_rebuild_sparse_tensor,
     safe_rebuild_tensor,
     safe_rebuild_tensor_v1,
     safe_rebuild_tensor_v2,
