@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .isolation import SPAWNER_ENV, WORKDIR_ENV, child_environment, clean_sys_path
+from .jobs import Job, JobRef, JobResult, Preload, Ready
 from .lru import Entry
 from .messages import (
     Clear,
@@ -43,15 +44,10 @@ from .messages import (
     EntryReply,
     Failure,
     Get,
-    Job,
-    JobRef,
-    JobResult,
     Miss,
     Ping,
     Pong,
-    Preload,
     Put,
-    Ready,
     StatusReply,
     StatusRequest,
     Stop,
