@@ -728,7 +728,7 @@ def test_the_server_refuses_other_users_by_credentials() -> None:
         server.bind()
         assert server._listener is not None
         serving = threading.Thread(target=server.serve_forever, daemon=True)
-        server._start_zygote = lambda: None  # type: ignore[method-assign]  # no loader needed here
+        server.misses._start_zygote = lambda: None  # type: ignore[method-assign]  # no loader needed here
         serving.start()
         try:
             from zerocopy_pickle.cache import server as server_module

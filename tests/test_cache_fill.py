@@ -14,7 +14,9 @@ import pytest
 from tests.internals import arena
 from zerocopy_pickle.cache import protocol
 from zerocopy_pickle.cache.client import Client
-from zerocopy_pickle.cache.messages import BufferRow, Call, Get, JobResult, Put
+from zerocopy_pickle.cache.fields import BufferRow, Call
+from zerocopy_pickle.cache.jobs import JobResult
+from zerocopy_pickle.cache.messages import Get, Put
 
 from .cache_helpers import (
     ServerProcess,

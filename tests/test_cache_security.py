@@ -24,8 +24,8 @@ import pytest
 from tests.internals import arena, writes
 from zerocopy_pickle.cache import persistence, protocol
 from zerocopy_pickle.cache.client import Client
+from zerocopy_pickle.cache.fields import PLACES, BufferRow, decode_buffer_table, encode_buffer_table
 from zerocopy_pickle.cache.lru import Entry
-from zerocopy_pickle.cache.messages import PLACES, BufferRow, decode_buffer_table, encode_buffer_table
 from zerocopy_pickle.cache.persistence import KEY_FILE
 from zerocopy_pickle.cache.store import Store
 

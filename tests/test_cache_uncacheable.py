@@ -91,7 +91,8 @@ def test_a_result_that_cannot_be_captured_is_said_once_and_never_tried_again_unt
 def test_a_remembered_call_is_tried_again_when_its_file_changes_under_the_same_key(tmp_path: Path) -> None:
     """The server checks the files again (as on a hit): a report for files that are not what they were is
     forgotten, even for a key the client computed the same way."""
-    from zerocopy_pickle.cache.messages import Call, FileCheck, Get, Miss, Uncapturable
+    from zerocopy_pickle.cache.fields import Call, FileCheck
+    from zerocopy_pickle.cache.messages import Get, Miss, Uncapturable
 
     path = tmp_path / "model.pt"
     _checkpoint(path, 1.0)
@@ -157,7 +158,8 @@ def test_what_reports_make_the_server_hold_is_bounded(tmp_path: Path) -> None:
     checks in all (the least recently asked for go first); the newest report is always kept."""
     from zerocopy_pickle.cache import lru
     from zerocopy_pickle.cache import store as store_module
-    from zerocopy_pickle.cache.messages import MAX_FILE_CHECKS, Call, FileCheck, Get
+    from zerocopy_pickle.cache.fields import MAX_FILE_CHECKS, Call, FileCheck
+    from zerocopy_pickle.cache.messages import Get
 
     path = tmp_path / "model.pt"
     _checkpoint(path, 1.0)

@@ -18,9 +18,10 @@ import pytest
 from tests.conftest import run_python
 from tests.internals import arena
 from zerocopy_pickle.cache import client, filebacked, filing, keys, loader, protocol
+from zerocopy_pickle.cache.fields import MAX_FILE_CHECKS, BufferRow, FileCheck
 from zerocopy_pickle.cache.keys import Request, Uncacheable, _fingerprint, describe
 from zerocopy_pickle.cache.lru import Entry
-from zerocopy_pickle.cache.messages import MAX_FILE_CHECKS, BufferRow, FileCheck, Get
+from zerocopy_pickle.cache.messages import Get
 from zerocopy_pickle.cache.store import Store
 
 

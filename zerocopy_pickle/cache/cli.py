@@ -90,7 +90,8 @@ def _seconds(text: str) -> float:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server import FILL_DELAY, serve
+    from .misses import FILL_DELAY
+    from .server import serve
 
     quiet, longest = args.fill_delay or FILL_DELAY
     serve(max_bytes=args.max_bytes, persist=Path(args.persist) if args.persist else None, copy_files=args.copy_files,

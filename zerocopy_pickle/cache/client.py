@@ -35,6 +35,7 @@ from typing import Any
 
 from .._storage import arena, readahead
 from . import checkpoints, entries
+from .fields import FileCheck
 from .filing import (
     _UNCAPTURABLE,
     _filer,
@@ -46,7 +47,7 @@ from .filing import (
     _warn_uncapturable,
 )
 from .keys import Request, Uncacheable, describe, register_result
-from .messages import EntryReply, FileCheck, Miss
+from .messages import EntryReply, Miss
 from .protocol import CacheError, send
 from .transport import HIT_TIMEOUT, Client, _claim_spawn, _spawn_server, _timeout, start_server_in_background
 

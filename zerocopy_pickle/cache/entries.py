@@ -32,8 +32,9 @@ from .._storage import arena, progress, writes
 from .._storage.format import BufferSpec, PluginRef, padded_pieces, place_buffers
 from .._storage.integrity import checksum
 from . import filebacked
+from .fields import BufferRow
 from .filebacked import FileRange
-from .messages import BufferRow, JobResult
+from .jobs import JobResult
 from .protocol import MAX_FDS
 
 

@@ -25,8 +25,9 @@ from typing import Any
 
 from .._core import locate
 from . import entries
+from .jobs import JobResult
 from .keys import Request
-from .messages import Get, JobResult, Put, Uncapturable
+from .messages import Get, Put, Uncapturable
 from .protocol import CacheError, runtime_dir
 from .transport import FILL_WAIT, HIT_TIMEOUT, Client, _send_until_up, _spawn_server
 

@@ -27,7 +27,8 @@ from .._core.loadcore import argument
 from .._names import GlobalName
 from .._version import __version__
 from . import entries
-from .messages import MAX_FILE_CHECKS, Call, FileCheck, Get
+from .fields import MAX_FILE_CHECKS, Call, FileCheck
+from .messages import Get
 from .points import split_point
 from .protocol import REQUEST, CacheError
 

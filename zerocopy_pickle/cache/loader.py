@@ -38,7 +38,8 @@ from .._registry.discovery import resolve_name
 from .._storage import arena
 from . import entries
 from .isolation import WORKDIR_ENV, clean_sys_path
-from .messages import Failure, Job, Preload, Ready
+from .jobs import Job, Preload, Ready
+from .messages import Failure
 from .points import all_patch_points, split_point
 from .protocol import CacheError, ProtocolError, fill_nice, receive, send
 

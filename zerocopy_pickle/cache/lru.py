@@ -18,15 +18,8 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from .messages import (
-    BufferRow,
-    FileCheck,
-    Get,
-    decode_buffer_table,
-    decode_file_checks,
-    decode_plugins,
-    encode_buffer_table,
-)
+from .fields import BufferRow, FileCheck, decode_buffer_table, decode_file_checks, decode_plugins, encode_buffer_table
+from .messages import Get
 from .protocol import ProtocolError
 
 MAX_UNCACHEABLE = 4096
@@ -38,7 +31,7 @@ MAX_UNCACHEABLE_FILES = 65_536
 
 @dataclass
 class Entry:
-    """One cached call: its stream, its buffers (:class:`~zerocopy_pickle.cache.messages.BufferRow`), the keys of
+    """One cached call: its stream, its buffers (:class:`~zerocopy_pickle.cache.fields.BufferRow`), the keys of
     the entries it references, and the plugins its stream (``plugins``) and its pickled arguments
     (``args_plugins``) need, as a snapshot header records them."""
 

@@ -28,7 +28,7 @@ from types import MappingProxyType
 
 from .._storage import arena, writes
 from .._storage.format import align_up, padded_pieces, place_buffers
-from .messages import BufferRow
+from .fields import BufferRow
 from .protocol import CacheError
 
 

@@ -18,8 +18,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .fields import BufferRow
 from .lru import Entries, Entry, files_changed
-from .messages import BufferRow, Get
+from .messages import Get
 from .persistence import Persistence
 from .protocol import CacheError
 from .segments import Segment, Segments
