@@ -14,6 +14,11 @@ does, in this order, is the same for all of them:
    references (:func:`argument`) resolved to the caller's objects in a trusted load;
 6. failures become the library's errors: a malformed stream a :class:`~zerocopy_pickle.errors.SnapshotError`; a
    trusted stream's own code failing propagates as itself (the caller chose to run it).
+
+All of that is decided here; the unpickler (``pickler._Unpickler``) is mechanism only, given what was decided
+(the buffers, the storage builder, the admitted globals' table or None, the budget). The public
+:class:`ZeroCopyUnpickler` lives here too: a restricted one loads through :func:`load_stream` and admits through
+:func:`admit_stream`; a trusted one is the mechanism, streaming from its file as ``pickle.Unpickler`` does.
 """
 
 from __future__ import annotations
