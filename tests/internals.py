@@ -15,7 +15,7 @@ from zerocopy_pickle import _console as console
 from zerocopy_pickle._cli import main
 from zerocopy_pickle._console import NOISE, configure_logging, printable, quiet_third_party
 from zerocopy_pickle._core import loadcore, pickler, snapshot
-from zerocopy_pickle._core.loadcore import BufferTable, LoadPolicy, load_stream
+from zerocopy_pickle._core.loadcore import BufferTable, LoadPolicy, load_stream, restricted_allow_list
 from zerocopy_pickle._devices import backend, coldread, device, transfer
 from zerocopy_pickle._devices.plan import (
     DEVICE_ALIGNMENT,
@@ -96,6 +96,7 @@ __all__ = [
     "remote",
     "resolve_name",
     "restricted",
+    "restricted_allow_list",
     "safe_globals",
     "safe_rebuild_memory_format",
     "safe_rebuild_wrapper_subclass",

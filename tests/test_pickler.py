@@ -262,11 +262,11 @@ _SETS_ON_THE_CLASS = b"\x80\x05ctests.test_pickler\nVictim\n(N}Vpwned\nK\x01stb.
 
 
 def _benign_uses() -> Any:
-    from zerocopy_pickle._trust.semantics import uses
+    from tests.internals import semantics
 
     victim = Victim()
     victim.x = 1  # type: ignore[attr-defined]
-    return uses(pickle.dumps(victim, protocol=5))  # names Victim, builds an instance of it
+    return semantics.uses(pickle.dumps(victim, protocol=5))  # names Victim, builds an instance of it
 
 
 def test_stream_uses_of_another_stream_admit_nothing() -> None:
@@ -282,14 +282,21 @@ def test_stream_uses_of_another_stream_admit_nothing() -> None:
         pickle.Unpickler.load(unpickler)  # the C load, past the class's own: this object unpickles nothing
     assert not hasattr(Victim, "pwned")
     # A stream that is admissible, with another's analysis: refused as the caller's mistake.
+    plain = pickle.dumps(Victim(), protocol=5)
     with pytest.raises(zp.ArgumentError, match="stream_uses= is not the analysis"):
-        zp.ZeroCopyUnpickler(io.BytesIO(pickle.dumps(Victim(), protocol=5)), allow=[Victim], stream_uses=benign).load()
+        zp.ZeroCopyUnpickler(io.BytesIO(plain), allow=[Victim], stream_uses=benign).load()
+    # Its own analysis is accepted, also when it is no longer remembered (worked out again, equal).
+    from tests.internals import semantics
+
+    own = semantics.uses(plain)
+    semantics.forget()
+    assert type(zp.ZeroCopyUnpickler(io.BytesIO(plain), allow=[Victim], stream_uses=own).load()) is Victim
 
 
 def test_a_restricted_unpickler_resolves_nothing_outside_the_core() -> None:
     """Attacks on the public object: its find_class before load, the C load after admit (which would skip the
     load's budget and checks), a subclass's find_class, a replaced allow_list: none resolves a global."""
-    from zerocopy_pickle._trust.restricted import AllowList
+    from tests.internals import AllowList
 
     data = pickle.dumps(Victim(), protocol=5)  # needs allow=[Victim]
     unpickler = zp.ZeroCopyUnpickler(io.BytesIO(data))
