@@ -17,7 +17,7 @@ from zerocopy_pickle._cli import inspection as cli_inspection
 from zerocopy_pickle._cli import main
 from zerocopy_pickle._console import NOISE, configure_logging, printable, quiet_third_party
 from zerocopy_pickle._core import loadcore, pickler, snapshot
-from zerocopy_pickle._core.loadcore import BufferTable, LoadPolicy, load_stream
+from zerocopy_pickle._core.loadcore import BufferTable, LoadPolicy, load_stream, restricted_allow_list
 from zerocopy_pickle._devices import backend, coldread, device, transfer
 from zerocopy_pickle._devices.plan import (
     DEVICE_ALIGNMENT,
@@ -114,6 +114,7 @@ __all__ = [
     "remote",
     "resolve_name",
     "restricted",
+    "restricted_allow_list",
     "safe_composite",
     "safe_globals",
     "safe_parameters",

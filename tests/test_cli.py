@@ -422,16 +422,11 @@ def test_scan_labels_a_real_cloudpickle_stream_with_os_system(
 
 
 def _load_allow_list(data: bytes, allow: list[str]) -> object:
-    """The allow-list a restricted load of the snapshot ``data`` builds (the unpickler's own)."""
-    import io
-
-    from zerocopy_pickle import ZeroCopyUnpickler
+    """The allow-list a restricted load of the snapshot ``data`` builds (the load core's own)."""
+    from tests.internals import restricted_allow_list
 
     header = zp.read_header(data)
-    stream = data[header.stream_offset : header.stream_offset + header.stream_nbytes]
-    return ZeroCopyUnpickler(
-        io.BytesIO(stream), buffers=[], allow=allow, plugins=[p.name for p in header.plugins]
-    ).allow_list
+    return restricted_allow_list(allow, zp.default_registry(), [p.name for p in header.plugins])
 
 
 def test_scan_labels_agree_with_the_load_over_the_hostile_corpus(

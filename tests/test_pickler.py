@@ -10,7 +10,7 @@ import pickletools
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -213,3 +213,108 @@ def test_a_fork_outside_loads_keeps_the_callers_gc_setting() -> None:
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         gc.enable()
+
+
+def _two_buffers() -> tuple[bytes, list[memoryview]]:
+    buffers: list[pickle.PickleBuffer] = []
+    out = io.BytesIO()
+    zp.ZeroCopyPickler(out, buffer_callback=lambda b: buffers.append(b) and False).dump([torch.ones(2), torch.zeros(3)])
+    return out.getvalue(), [b.raw() for b in buffers]
+
+
+def test_a_direct_restricted_load_checks_the_buffer_count() -> None:
+    """The public unpickler goes through the load core: a list or tuple of buffers must be as many as the stream
+    consumes (pickle itself ignores extra ones), as a snapshot's header rows must."""
+    stream, raw = _two_buffers()
+    with pytest.raises(zp.SnapshotError, match=r"consumes 2 out-of-band buffer\(s\), buffers= declares 1"):
+        zp.ZeroCopyUnpickler(io.BytesIO(stream), buffers=raw[:1]).load()
+    with pytest.raises(zp.SnapshotError, match=r"consumes 2 out-of-band buffer\(s\), buffers= declares 3"):
+        zp.ZeroCopyUnpickler(io.BytesIO(stream), buffers=(*raw, raw[0])).load()
+    # Other iterables are consumed as pickle consumes them, unchecked; a trusted unpickler is pickle's own.
+    assert [t.tolist() for t in zp.ZeroCopyUnpickler(io.BytesIO(stream), buffers=iter(raw)).load()] == [
+        [1.0, 1.0],
+        [0.0, 0.0, 0.0],
+    ]
+    assert len(zp.ZeroCopyUnpickler(io.BytesIO(stream), buffers=[*raw, raw[0]], trusted=True).load()) == 2
+    with pytest.raises(zp.SnapshotError, match="no \\*buffers\\* argument"):
+        zp.ZeroCopyUnpickler(io.BytesIO(stream)).load()
+
+
+def test_a_restricted_unpickler_reads_its_one_stream_and_a_trusted_one_streams() -> None:
+    stream, raw = _two_buffers()
+    unpickler = zp.ZeroCopyUnpickler(io.BytesIO(stream), buffers=raw)
+    assert len(unpickler.load()) == 2
+    with pytest.raises(zp.SnapshotError, match="ends without STOP"):  # the file was read to its end
+        unpickler.load()
+    both = io.BytesIO(pickle.dumps(1, protocol=5) + pickle.dumps([2], protocol=5))
+    trusted = zp.ZeroCopyUnpickler(both, trusted=True)
+    assert (trusted.load(), trusted.load()) == (1, [2])
+    with pytest.raises(pickle.UnpicklingError, match="truncated"):  # a trusted direct load maps no error
+        zp.ZeroCopyUnpickler(io.BytesIO(stream[:-1]), buffers=raw, trusted=True).load()
+
+
+class Victim:
+    """A class a restricted load may instantiate (with ``allow=``), never modify."""
+
+
+# GLOBAL Victim, then BUILD on the class itself with slot state {"pwned": 1}: setattr(Victim, "pwned", 1).
+_SETS_ON_THE_CLASS = b"\x80\x05ctests.test_pickler\nVictim\n(N}Vpwned\nK\x01stb."
+
+
+def _benign_uses() -> Any:
+    from tests.internals import semantics
+
+    victim = Victim()
+    victim.x = 1  # type: ignore[attr-defined]
+    return semantics.uses(pickle.dumps(victim, protocol=5))  # names Victim, builds an instance of it
+
+
+def test_stream_uses_of_another_stream_admit_nothing() -> None:
+    """Attack: the analysis of a harmless stream, passed as stream_uses= with a stream that sets attributes on an
+    allowed class. The analysis is the stream's own, worked out again (remembered by digest), not the caller's."""
+    benign = _benign_uses()
+    with pytest.raises(zp.RestrictedLoadError, match="BUILD sets state on the global"):
+        zp.ZeroCopyUnpickler(io.BytesIO(_SETS_ON_THE_CLASS), allow=[Victim], stream_uses=benign).load()
+    unpickler = zp.ZeroCopyUnpickler(io.BytesIO(_SETS_ON_THE_CLASS), allow=[Victim], stream_uses=benign)
+    with pytest.raises(zp.RestrictedLoadError):
+        unpickler.admit()
+    with pytest.raises((EOFError, zp.RestrictedLoadError)):
+        pickle.Unpickler.load(unpickler)  # the C load, past the class's own: this object unpickles nothing
+    assert not hasattr(Victim, "pwned")
+    # A stream that is admissible, with another's analysis: refused as the caller's mistake.
+    plain = pickle.dumps(Victim(), protocol=5)
+    with pytest.raises(zp.ArgumentError, match="stream_uses= is not the analysis"):
+        zp.ZeroCopyUnpickler(io.BytesIO(plain), allow=[Victim], stream_uses=benign).load()
+    # Its own analysis is accepted, also when it is no longer remembered (worked out again, equal).
+    from tests.internals import semantics
+
+    own = semantics.uses(plain)
+    semantics.forget()
+    assert type(zp.ZeroCopyUnpickler(io.BytesIO(plain), allow=[Victim], stream_uses=own).load()) is Victim
+
+
+def test_a_restricted_unpickler_resolves_nothing_outside_the_core() -> None:
+    """Attacks on the public object: its find_class before load, the C load after admit (which would skip the
+    load's budget and checks), a subclass's find_class, a replaced allow_list: none resolves a global."""
+    from tests.internals import AllowList
+
+    data = pickle.dumps(Victim(), protocol=5)  # needs allow=[Victim]
+    unpickler = zp.ZeroCopyUnpickler(io.BytesIO(data))
+    with pytest.raises(zp.RestrictedLoadError, match="only inside load"):
+        unpickler.find_class("builtins", "print")
+    admitted = zp.ZeroCopyUnpickler(io.BytesIO(pickle.dumps([1, Victim()], protocol=5)), allow=[Victim])
+    admitted.admit()
+    with pytest.raises(EOFError):  # admitted, but the unpickling is the core's, under its budget
+        pickle.Unpickler.load(admitted)
+    assert admitted.load()[0] == 1
+
+    class Widening(zp.ZeroCopyUnpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            return pickle.Unpickler.find_class(self, module, name)
+
+    with pytest.raises(zp.RestrictedLoadError, match="allow-list"):
+        Widening(io.BytesIO(data)).load()
+    replaced = zp.ZeroCopyUnpickler(io.BytesIO(data))
+    replaced.allow_list = AllowList([Victim])  # informational: the core builds the load's own
+    with pytest.raises(zp.RestrictedLoadError, match="allow-list"):
+        replaced.load()

@@ -50,7 +50,8 @@ from .errors import (
 
 if TYPE_CHECKING:
     from ._core.dumping import BACKENDS
-    from ._core.pickler import ZeroCopyPickler, ZeroCopyUnpickler
+    from ._core.loadcore import ZeroCopyUnpickler
+    from ._core.pickler import ZeroCopyPickler
     from ._core.snapshot import (
         Snapshot,
         dump,
@@ -76,7 +77,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 _LAZY = {
     "allow_function": "_trust.entries",
     "ZeroCopyPickler": "_core.pickler",
-    "ZeroCopyUnpickler": "_core.pickler",
+    "ZeroCopyUnpickler": "_core.loadcore",
     "BACKENDS": "_core.dumping",
     **dict.fromkeys(("Snapshot", "dump", "dumps", "freeze", "load", "loads", "prefetch", "prefetches",
                      "read_header", "scan"), "_core.snapshot"),

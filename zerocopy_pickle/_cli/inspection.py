@@ -9,7 +9,6 @@ and versions are the file's to choose.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -101,13 +100,13 @@ def run_scan(args: argparse.Namespace) -> int:
     integrity.verify_stream(header, stream)
     pairs = scan_stream(stream)
     # The verdict is the restricted load's own decision, not a copy of it (loadcore.admit_stream: the same
-    # analysis, plugin presence check and unpickler admission, run on the stream alone).
+    # analysis, plugin presence check and allow list admission, run on the stream alone).
     refusal: RestrictedLoadError | None = None
     try:
         admit_stream(stream, plugins=header.plugins, allow=args.allow)
     except RestrictedLoadError as e:
         refusal = e
-    statuses = _statuses(stream, pairs, header.plugins, args.allow, refusal)
+    statuses = _statuses(pairs, header.plugins, args.allow, refusal)
 
     def verdict(pair: tuple[str, str]) -> str:
         return statuses[pair]
@@ -141,14 +140,13 @@ def run_scan(args: argparse.Namespace) -> int:
 
 
 def _statuses(
-    stream: bytes,
     pairs: Sequence[tuple[str, str]],
     plugins: Sequence[tuple[str, str]],
     allow: Sequence[str],
     refusal: RestrictedLoadError | None,
 ) -> dict[tuple[str, str], str]:
     """What ``scan`` says of each global: ``blocked``, ``refused`` or ``allowed``, from the allow-list a restricted
-    load of this stream builds (the unpickler's own, for the plugins the header names and ``allow``), asked one
+    load of this stream builds (the load core's own, for the plugins the header names and ``allow``), asked one
     global at a time, whatever else the stream holds.
 
     The load's verdict (``refusal``) says why the whole stream is refused, but not always which global: a stream
@@ -158,15 +156,13 @@ def _statuses(
     what it denotes, and a global the verdict lists as ``needed`` or ``blocked`` is never ``allowed``. A status is
     about the name: a stream refused for what it does with an allowed global (calls a dtype) keeps it ``allowed``.
     """
-    from .._core.pickler import ZeroCopyUnpickler
+    from .._core.loadcore import restricted_allow_list
+    from .._registry.registry import default_registry
     from .._trust.advice import refusal_message
     from .._trust.blocklist import is_blocked
     from .._trust.restricted import safe_globals
 
-    allow_list = ZeroCopyUnpickler(
-        io.BytesIO(stream), buffers=[], allow=allow, plugins=[name for name, _ in plugins]
-    ).allow_list
-    assert allow_list is not None  # a restricted unpickler always has one
+    allow_list = restricted_allow_list(allow, default_registry(), [name for name, _ in plugins])
     # The load's own classification of every global it cannot admit (blocked by name, or by what an imported
     # module's attribute is), as a refusal would word it.
     classified = refusal_message(RestrictedLoadError("", refused=("", "")), allow_list, pairs)

@@ -1,4 +1,4 @@
-"""Internal: ``ZeroCopyPickler`` and ``ZeroCopyUnpickler``: the C pickler and unpickler, with storages out of band.
+"""Internal: ``ZeroCopyPickler`` and the unpickler's mechanism: the C pickler and unpickler, storages out of band.
 
 The pickler is ``pickle.Pickler`` (the C implementation) at protocol 5 with a private dispatch table chained
 over copyreg's. Plain ``Tensor.__reduce_ex__`` and ``Parameter.__reduce_ex__`` are left as they are: they
@@ -8,9 +8,12 @@ here to ``rebuild_storage(PickleBuffer(bytes of the storage), location)``. The b
 A storage shared by several tensors is one Python object (torch preserves storage identity), so the pickle
 memo stores it once and tied weights stay tied.
 
-The unpickler is ``pickle.Unpickler`` (C) whose ``find_class`` consults the call's allow-list (restricted
-loading, the default) and substitutes a per-load :class:`~zerocopy_pickle.rebuild.StorageBuilder` for
-``rebuild_storage`` so that one load's ``map_location`` never leaks into another.
+The unpickler (``_Unpickler``) is ``pickle.Unpickler`` (C), mechanism only: the load core
+(:mod:`zerocopy_pickle._core.loadcore`, where the public ``ZeroCopyUnpickler`` lives too) decides everything
+and hands it what it decided: in a restricted load, the table of what each global of the admitted stream
+resolves to, which its ``find_class`` answers from; in a trusted one, none (globals are imported). It returns the
+load's own :class:`~zerocopy_pickle.rebuild.StorageBuilder` for ``rebuild_storage``, so that one load's
+``map_location`` never leaks into another.
 """
 
 from __future__ import annotations
@@ -23,21 +26,17 @@ import io
 import pickle
 import sys
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 import torch
 
 from .. import rebuild, safeglobals, validate
-from .._devices.device import MapLocation, Targets
 from .._names import GlobalName
 from .._registry.registry import Registry, default_registry
 from .._storage.format import BufferSpec, PluginRef
-from .._trust.entries import AllowSpec
-from .._trust.restricted import AllowList, stream_uses
-from .._trust.semantics import StreamUses
-from ..errors import ArgumentError, RestrictedLoadError, SnapshotError, Unpicklable, ZeroCopyPickleError
+from ..errors import ArgumentError, RestrictedLoadError, Unpicklable
 from .guards import gc_paused, sparse_tensors_checked
 
 PROTOCOL = 5
@@ -476,120 +475,57 @@ def dill_pickler(
     return ZeroCopyDillPickler()
 
 
-class ZeroCopyUnpickler(pickle.Unpickler):
-    """A ``pickle.Unpickler`` (C) for streams written by :class:`ZeroCopyPickler`.
-
-    Restricted by default: before anything runs, the stream is analysed (:mod:`zerocopy_pickle._trust.semantics`) and
-    admitted by the call's :class:`~zerocopy_pickle._trust.restricted.AllowList`: it may only name the built-in safe
-    set, plugins' declared safe globals and what ``allow`` admits, call only what those let it call, and fill
-    only objects it created. A restricted unpickler reads ``file`` to its end when it is made (one stream per
-    file).
+class _Unpickler(pickle.Unpickler):
+    """The C unpickler as the load core drives it: mechanism only. Everything is decided before it is made (by
+    :mod:`zerocopy_pickle._core.loadcore`, the one place that decides): the buffers, the storage builder that
+    places them, and, for a restricted load, the table of what each global the admitted stream names resolves
+    to; for a trusted one, None. It analyses nothing, admits nothing and converts no error.
 
     Args:
         file: the pickle stream (anything with ``read``, ``readline``).
-        buffers: the out-of-band buffers, in order (an iterable), as for ``pickle.Unpickler``. A writable
-            buffer becomes a storage without a copy and is kept alive by it.
-        map_location: where storages go, as for ``torch.load`` (or the load core's
-            :class:`~zerocopy_pickle._devices.device.Targets` of it).
-        trusted: resolve every global (full pickle; runs whatever code the stream names).
-        allow: further globals for this unpickler only: classes, values, ``"module:qualname"`` strings, and
-            :func:`~zerocopy_pickle._trust.entries.allow_function` entries for functions the stream may call.
+        buffers: the out-of-band buffers, as for ``pickle.Unpickler``.
+        storage_builder: what ``zerocopy_pickle.rebuild:rebuild_storage`` resolves to in a trusted load (a
+            restricted load's table already maps it to the load's builder).
+        resolved: ``(module, qualname) -> object`` for every global of the admitted stream (the allow list's
+            :meth:`~zerocopy_pickle._trust.restricted.AllowList.admit`), or None: trusted, every global imported.
+        budget: a restricted load's allocation budget (:func:`zerocopy_pickle.validate.budget`).
         encoding, errors, fix_imports: as for ``pickle.Unpickler``.
-        registry: whose plugins' safe globals to allow (default: the process's registry).
-        plugins: the names of the plugins whose safe globals this stream may use (a snapshot header's list);
-            None allows every registered plugin's.
-        stream_uses: the stream's analysis, when the caller already has it
-            (:func:`zerocopy_pickle._trust.semantics.uses`).
-        placed: the load's :class:`~zerocopy_pickle.rebuild.Placement` (the load core's: buffers with their
-            header rows, some already moved to their device by the bulk transfer). Without it, a list or tuple
-            of ``buffers`` gets one of its own, so here too a buffer is one storage however often the stream
-            references it.
-
-    Raises:
-        ArgumentError: a malformed ``allow`` entry or ``map_location``.
     """
 
     def __init__(
         self,
         file: IO[bytes],
         *,
-        buffers: Any = None,
-        map_location: MapLocation | Targets = None,
-        trusted: bool = False,
-        allow: AllowSpec = (),
+        buffers: Any,
+        storage_builder: object,
+        resolved: Mapping[tuple[str, str], object] | None,
+        budget: int = 0,
         encoding: str = "ASCII",
         errors: str = "strict",
         fix_imports: bool = True,
-        registry: Registry | None = None,
-        plugins: Iterable[str] | None = None,
-        stream_uses: StreamUses | None = None,
-        placed: rebuild.Placement | dict[int, torch.UntypedStorage] | None = None,
     ) -> None:
-        targets = Targets.of(map_location)  # a malformed map_location is refused before anything is read
-        if placed is None and isinstance(buffers, (list, tuple)):
-            placed = rebuild.Placement(buffers)
-        self._storage_builder = rebuild.StorageBuilder(targets, placed)
-        self._resolved: dict[tuple[str, str], object] | None = None
-        self._budget = 0
-        self._stream: bytes | None = None
-        self._uses = stream_uses
-        if trusted:
-            self.allow_list: AllowList | None = None
-        else:
-            registry = registry if registry is not None else default_registry()
-            named = None if plugins is None else tuple(plugins)
-            self.allow_list = AllowList(
-                allow,
-                extra=registry.safe_globals(named),
-                storage_builder=self._storage_builder,
-                resolve_extra=lambda module, qualname: registry.resolve_safe_global(module, qualname, named),
-            )
-            data = file.read()
-            self._stream = data if type(data) is bytes else bytes(data)
-            file = io.BytesIO(self._stream)
-            held = sum(memoryview(b).nbytes for b in buffers) if isinstance(buffers, (list, tuple)) else 0
-            self._budget = 2 * (len(self._stream) + held)
+        self._storage_builder = storage_builder
+        self._resolved = resolved
+        self._budget = budget
         super().__init__(file, fix_imports=fix_imports, encoding=encoding, errors=errors, buffers=buffers)
 
-    def admit(self) -> None:
-        """Check, before anything runs, that a restricted stream names only allowed globals (:meth:`load` does
-        it first too; the load core calls it before it moves storages to a device).
-
-        Raises:
-            RestrictedLoadError: the stream names globals this unpickler does not allow.
-        """
-        if self.allow_list is not None and self._resolved is None:
-            assert self._stream is not None
-            uses = self._uses if self._uses is not None else stream_uses(self._stream)
-            self._resolved = self.allow_list.admit(uses)
-
     def load(self) -> Any:
-        if self.allow_list is None:
+        if self._resolved is None:
             with sparse_tensors_checked(), gc_paused():
                 return super().load()
-        self.admit()
-        try:
-            with sparse_tensors_checked(), gc_paused(), validate.budget(self._budget):
-                return super().load()
-        except ZeroCopyPickleError:
-            raise
-        except Exception as e:
-            # Only the safe set and allowed globals ran: a failure means the stream is malformed.
-            raise SnapshotError(f"the pickle stream does not rebuild: {type(e).__name__}: {e}") from e
+        with sparse_tensors_checked(), gc_paused(), validate.budget(self._budget):
+            return super().load()
 
     def find_class(self, module: str, name: str) -> Any:
-        if self._resolved is not None:
+        resolved = self._resolved
+        if resolved is not None:
             try:
-                return self._resolved[module, name]
+                return resolved[module, name]
             except KeyError:  # the analysis lists every global a stream names: no stream gets here
                 raise RestrictedLoadError(
                     f"refusing to load global {module}:{name}: the stream's analysis did not see it",
                     refused=(module, name),
                 ) from None
-        if self.allow_list is not None:
-            raise RestrictedLoadError(
-                "a restricted unpickler resolves globals only inside load()", refused=(module, name)
-            )
         if module == "zerocopy_pickle.rebuild" and name == "rebuild_storage":
             return self._storage_builder
         try:
