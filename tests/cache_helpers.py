@@ -124,11 +124,21 @@ def running_server(*args: str, env: dict[str, str] | None = None) -> Iterator[Se
 
 
 def run_client(
-    server: ServerProcess, code: str, *args: str, check: bool = True, cwd: Path | None = None, **env: str
+    server: ServerProcess,
+    code: str,
+    *args: str,
+    check: bool = True,
+    cwd: Path | None = None,
+    fresh: bool = False,
+    **env: str,
 ) -> dict[str, Any]:
     """Run a client script (it prints one JSON object as its last line) against ``server``, in ``cwd`` (default:
-    the repository), with the variables ``env`` added to the server's."""
-    proc = run_python(code, *args, env={**server.env, **env}, check=check, **({"cwd": cwd} if cwd else {}))
+    the repository), with the variables ``env`` added to the server's: in a child of the test zygote, with torch,
+    transformers and diffusers already imported (``tests/zygote.py``), or with ``fresh=True`` in a fresh
+    interpreter (for a script that checks what it imports or measures its memory)."""
+    proc = run_python(
+        code, *args, env={**server.env, **env}, check=check, preloaded=not fresh, **({"cwd": cwd} if cwd else {})
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
         raise AssertionError(f"the client printed no result:\n{proc.stdout}\n{proc.stderr}")

@@ -22,6 +22,7 @@ import torch
 
 from tests.internals import decoding, readahead
 from tests.internals import format as fmt
+from tests.zygote import ZYGOTE
 from zerocopy_pickle.plugin import default_registry
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,19 +72,27 @@ def run_python(
     env: dict[str, str] | None = None,
     unset: Iterable[str] = (),
     cwd: str | os.PathLike[str] = REPO,
+    preloaded: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter (same venv) in ``cwd``, with ``args`` as ``sys.argv[1:]``, the variables
-    in ``unset`` removed from the environment and ``env`` added."""
+    in ``unset`` removed from the environment and ``env`` added.
+
+    ``preloaded=True``: in a child of the test zygote (``tests/zygote.py``), an interpreter with torch, transformers
+    and diffusers already imported, where its environment allows (else a fresh one all the same): for scripts
+    that only load models, never for one that checks what an interpreter imports or how much memory it uses."""
     removed = set(unset)
     env = {k: v for k, v in os.environ.items() if k not in removed} | {"PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=cwd,
-    )
+    if preloaded and ZYGOTE.usable(env):
+        proc = ZYGOTE.run(textwrap.dedent(code), args, env, str(cwd), timeout)
+    else:
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=cwd,
+        )
     if check and proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc

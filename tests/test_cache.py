@@ -6,6 +6,7 @@ temporary directory; the tiny GPT2 and StableDiffusionControlNetPipeline are bui
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -26,7 +27,7 @@ from zerocopy_pickle.cache import protocol
 from zerocopy_pickle.cache.server import Server
 
 from .cache_helpers import ServerProcess, build_gpt2, private_dir, run_client, running_server, wait_until
-from .conftest import REPO
+from .conftest import REPO, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -445,19 +446,16 @@ def test_sixteen_clients_twenty_loads_each(server: ServerProcess, models: dict[s
     plain = run_client(server, PLAIN_GPT2_CLIENT, models["gpt2"])["loads"][0]["sum"]
     expected = run_client(server, GPT2_CLIENT, models["gpt2"])["loads"][0]["sum"]
     assert expected == pytest.approx(plain, rel=1e-12)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", GPT2_CLIENT, *([models["gpt2"]] * 20)],
-            env={**os.environ, **server.env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-        )
-        for _ in range(16)
-    ]
+    # Sixteen clients at once, each a child of the test zygote (torch and transformers already imported).
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        args = [models["gpt2"]] * 20
+        runs = [
+            pool.submit(run_python, GPT2_CLIENT, *args, env=server.env, timeout=900, check=False, preloaded=True)
+            for _ in range(16)
+        ]
+        procs = [run.result() for run in runs]
     for proc in procs:
-        out, err = proc.communicate(timeout=900)
+        out, err = proc.stdout, proc.stderr
         assert proc.returncode == 0, err
         loads = json.loads(out.strip().splitlines()[-1])["loads"]
         assert len(loads) == 20 and all(load["sum"] == expected for load in loads)

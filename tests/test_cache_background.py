@@ -115,7 +115,9 @@ def test_the_first_call_with_no_server_hands_its_miss_to_the_server_it_starts(
 ) -> None:
     with private_dir() as directory:
         env = {"ZEROCOPY_PICKLE_CACHE_DIR": str(directory), "PYTHONPATH": str(REPO), **BACKGROUND, **UNSTARVED}
-        first = json.loads(run_python(CLIENT, gpt2, "autostart", when, env=env).stdout.strip().splitlines()[-1])
+        first = json.loads(
+            run_python(CLIENT, gpt2, "autostart", when, env=env, preloaded=True).stdout.strip().splitlines()[-1]
+        )
         try:
             assert first["sum"] == plain_sum and first["forks"] == 0
 
@@ -125,7 +127,9 @@ def test_the_first_call_with_no_server_hands_its_miss_to_the_server_it_starts(
 
             wait_until((directory / "server.sock").exists, "the server the first call started")
             wait_until(lambda: _settled(status(), 1), "the fill the first call handed over")
-            second = json.loads(run_python(CLIENT, gpt2, "autostart", "keep", env=env).stdout.strip().splitlines()[-1])
+            second = json.loads(
+                run_python(CLIENT, gpt2, "autostart", "keep", env=env, preloaded=True).stdout.strip().splitlines()[-1]
+            )
             assert second["sum"] == plain_sum and second["key"] == first["key"]
             assert status()["hits"] == 1
         finally:

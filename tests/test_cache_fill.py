@@ -78,7 +78,7 @@ def server() -> Iterator[ServerProcess]:
 def test_first_call_with_no_server_loads_here_and_fills_the_cache(gpt2: str, plain_sum: float, how: str) -> None:
     with private_dir() as directory:
         env = {"ZEROCOPY_PICKLE_CACHE_DIR": str(directory), "PYTHONPATH": str(REPO)}
-        first = run_python(CLIENT, gpt2, "autostart", "keep", how, env=env)
+        first = run_python(CLIENT, gpt2, "autostart", "keep", how, env=env, preloaded=True)
         try:
             result = json.loads(first.stdout.strip().splitlines()[-1])
             assert result["sum"] == plain_sum
@@ -89,7 +89,7 @@ def test_first_call_with_no_server_loads_here_and_fills_the_cache(gpt2: str, pla
                 status = client.request({"op": "status"})[0]["status"]
             assert (status["hits"], status["misses"], len(status["entries"])) == (0, 0, 1)
             assert status["loader_pid"] is None
-            second = run_python(CLIENT, gpt2, "autostart", "keep", how, env=env)
+            second = run_python(CLIENT, gpt2, "autostart", "keep", how, env=env, preloaded=True)
             second = json.loads(second.stdout.strip().splitlines()[-1])
             assert second["sum"] == plain_sum and second["key"] == result["key"]
             with Client(directory / "server.sock", timeout=30) as client:
