@@ -148,7 +148,7 @@ def _fingerprint(path: str) -> list[Any]:
         top = root.stat()
     except OSError:
         return rows
-    stack: list[tuple[Path, str, frozenset[tuple[int, int]]]] = [(root, "", frozenset({(top.st_dev, top.st_ino)}))]
+    stack: list[tuple[Path, str, frozenset[tuple[int, int]]]] = [(root, "", frozenset({FileIdentity.of(top).file}))]
     while stack:
         directory, prefix, above = stack.pop()
         try:
@@ -166,9 +166,9 @@ def _fingerprint(path: str) -> list[Any]:
             except OSError:
                 continue  # a dangling link: nothing a loader could read
             if stat.S_ISDIR(st.st_mode):
-                identity = (st.st_dev, st.st_ino)
-                if identity not in above:
-                    stack.append((Path(child.path), name + os.sep, above | {identity}))
+                folder = FileIdentity.of(st).file
+                if folder not in above:
+                    stack.append((Path(child.path), name + os.sep, above | {folder}))
             elif stat.S_ISREG(st.st_mode):
                 rows.append([name, *_stat_row(st)])
     return sorted(rows)
