@@ -44,6 +44,7 @@ from zerocopy_pickle._storage import (
     sources,
     writes,
 )
+from zerocopy_pickle._storage.fileid import FileIdentity
 from zerocopy_pickle._trust import (
     advice,
     blocklist,
@@ -77,6 +78,7 @@ __all__ = [
     "SLOTS",
     "AllowList",
     "BufferTable",
+    "FileIdentity",
     "GlobalName",
     "LoadPolicy",
     "Plan",

@@ -125,6 +125,32 @@ def test_persistence_round_trip_and_damaged_directory(tmp_path: Path) -> None:
     cold.close()
 
 
+def test_a_persisted_file_segment_keeps_its_identity_in_the_first_order(tmp_path: Path) -> None:
+    """The index lists a file segment's identity as ``[dev, ino, size, mtime_ns, ctime_ns]``, the order indexes
+    had before ``FileIdentity``: such a row is restored (the file reopened, the entry kept); a changed file is not."""
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"w" * PAGE)
+    persist, keys = tmp_path / "persist", tmp_path / "keys"
+    keys.mkdir(mode=0o700)
+    store = Store(persist=persist, key_dir=keys)
+    store.add(entry("f", [(-1, 0, PAGE)]), None, [os.open(weights, os.O_RDONLY)])
+    store.close()
+    body = json.loads(json.loads((persist / "index.json").read_text())["body"])
+    (row,) = [s for s in body["segments"] if s["kind"] == "file"]
+    info = weights.stat()
+    assert row["identity"] == [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+    again = Store(persist=persist, key_dir=keys)
+    assert list(again.entries) == ["f"] and read_range(again, again.entries["f"].buffers[0]) == b"w" * PAGE
+    again.close()
+    time.sleep(0.05)  # past the coarse clock's tick, so the rewrite's ctime is another
+    with open(weights, "r+b") as f:  # in place, same size
+        f.write(b"x")
+    os.utime(weights, ns=(info.st_atime_ns, info.st_mtime_ns))
+    changed = Store(persist=persist, key_dir=keys)
+    assert not changed.entries and changed.cold_start is None  # the segment dropped, the index still trusted
+    changed.close()
+
+
 def test_every_file_a_key_was_computed_from_is_checked_on_every_hit(tmp_path: Path) -> None:
     """An entry keeps the identities of the files its key was computed from; a hit checks them again, and an entry
     whose files are not what they were is dropped (a miss), even when the request's key is the same (a client

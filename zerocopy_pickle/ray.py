@@ -35,6 +35,7 @@ import torch
 
 from ._core.snapshot import freeze, loads
 from ._devices.transfer import rebuildable
+from ._storage.fileid import FileIdentity
 from .errors import ZeroCopyPickleError
 from .rebuild import rebuild_tensor, storage_from_buffer
 
@@ -67,22 +68,22 @@ def _mapping_of(address: int) -> tuple[int, int, int, str] | None:
     return None
 
 
-_store: list[tuple[int, int, int, int]] = []  # [(start, end, file offset, inode)] of the last store mapping
+_store: list[tuple[int, int, int, FileIdentity]] = []  # [(start, end, file offset, file)] of the last store mapping
 
 
 def _store_fd(address: int) -> tuple[int, int, int] | None:
     """``(fd, start, file offset)`` for the file mapping that holds ``address``: its file opened again through
     ``/proc/self/map_files`` (the caller closes the fd); None when the address is not in a file mapping, or the
     file cannot be opened (then with one warning). The last mapping found is remembered, so the many buffers
-    of one graph do not each read ``/proc/self/maps``; its inode is checked every time (a store unmapped and
-    another mapped at the same addresses is found again)."""
-    for start, end, file_offset, inode in _store:
+    of one graph do not each read ``/proc/self/maps``; that it is the same file (device and inode) is checked every
+    time (a store unmapped and another mapped at the same addresses is found again)."""
+    for start, end, file_offset, known in _store:
         if start <= address < end:
             try:
                 fd = os.open(f"/proc/self/map_files/{start:x}-{end:x}", os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 break
-            if os.fstat(fd).st_ino == inode:
+            if known.same_file(os.fstat(fd)):
                 return fd, start, file_offset
             os.close(fd)
     found = _mapping_of(address)
@@ -102,7 +103,7 @@ def _store_fd(address: int) -> tuple[int, int, int] | None:
                 stacklevel=4,
             )
         return None
-    _store[:] = [(start, end, file_offset, os.fstat(fd).st_ino)]
+    _store[:] = [(start, end, file_offset, FileIdentity.of_fd(fd))]
     return fd, start, file_offset
 
 

@@ -50,6 +50,7 @@ from typing import Any
 from .._home import home_dir
 from ..errors import ArgumentError, IntegrityError, SnapshotError, ZeroCopyPickleError
 from . import atomic, integrity, progress, sources
+from .fileid import FileIdentity
 
 DIR_ENV = "ZEROCOPY_PICKLE_REMOTE_DIR"
 """The environment variable that sets :func:`remote_dir`."""
@@ -125,7 +126,7 @@ def private_directory(
         raise error(f"the {what} {path} cannot be opened as a plain directory ({e.strerror})") from e
     try:
         opened = os.fstat(fd)
-        if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+        if not FileIdentity.of(opened).same_file(info):
             raise error(f"the {what} {path} was replaced while it was being checked: refusing to use it")
         if opened.st_uid != os.getuid():
             raise error(

@@ -268,7 +268,8 @@ def _checkpoints_of(request: Request) -> list[str]:
         return []
     variant = request.kwargs.get("variant")
     checks: list[FileCheck] = request.get.files
-    return checkpoints.likely_read(((c.path, c.size) for c in checks), variant if isinstance(variant, str) else None)
+    sizes = ((c.path, c.identity.size) for c in checks)
+    return checkpoints.likely_read(sizes, variant if isinstance(variant, str) else None)
 
 
 def _file(

@@ -7,10 +7,12 @@ request runs (:class:`Call`), plugin lists, and the typed field checks every ``d
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .._storage.fileid import FileIdentity
 from .protocol import MAX_BUFFERS, ProtocolError
 
 MAX_PLUGINS = 1000
@@ -79,22 +81,23 @@ MAX_FILE_CHECKS = 4096
 
 class FileCheck(NamedTuple):
     """A file a key was computed from, as the client saw it: its path as the loader opens it (absolute, through
-    symlinks) and the identity :func:`os.stat` gave (size, mtime and ctime in nanoseconds, inode, device)."""
+    symlinks) and the identity :func:`os.stat` gave. Sent and persisted as one flat row, ``[path, size,
+    mtime_ns, ctime_ns, ino, dev]`` (:meth:`encode`, :func:`decode_file_checks`)."""
 
     path: str
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-    ino: int
-    dev: int
+    identity: FileIdentity
 
     @classmethod
-    def of(cls, path: str, info: Any) -> FileCheck:
-        return cls(path, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev)
+    def of(cls, path: str, info: os.stat_result) -> FileCheck:
+        return cls(path, FileIdentity.of(info))
+
+    def encode(self) -> list[Any]:
+        return [self.path, *self.identity]
 
 
 def decode_file_checks(value: Any, what: str) -> list[FileCheck]:
-    """``[[path, size, mtime_ns, ctime_ns, ino, dev], ...]``: the files a key was computed from."""
+    """``[[path, size, mtime_ns, ctime_ns, ino, dev], ...]`` (:meth:`FileCheck.encode`): the files a key was
+    computed from."""
     if not isinstance(value, list) or len(value) > MAX_FILE_CHECKS:
         raise ProtocolError(f"{what}: its file list is not a list of at most {MAX_FILE_CHECKS} rows")
     checks = []
@@ -108,7 +111,7 @@ def decode_file_checks(value: Any, what: str) -> list[FileCheck]:
         ):
             raise ProtocolError(f"{what} has a malformed file row: {str(row)[:200]}")
         directory_field(row[0], "files", what)  # an absolute path of bounded length
-        checks.append(FileCheck(*row))
+        checks.append(FileCheck(row[0], FileIdentity(*row[1:])))
     return checks
 
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._storage import arena
+from .._storage.fileid import FileIdentity
 
 PAGE = mmap.PAGESIZE
 _PRESENT = 1 << 63
@@ -39,6 +40,11 @@ class Mapping:
     dev: int
     inode: int
     path: str
+
+    @property
+    def file(self) -> tuple[int, int]:
+        """``(device, inode)`` of the mapped file, as :attr:`FileIdentity.file` gives a stat result's."""
+        return (self.dev, self.inode)
 
 
 @dataclass(frozen=True)
@@ -132,10 +138,9 @@ def file_ranges(views: Sequence[memoryview]) -> tuple[list[FileRange | None], li
                 ranges.append(None)
                 continue
             address, mapping = hit
-            identity = (mapping.dev, mapping.inode)
-            if identity not in file_index:
-                file_index[identity] = _open_file(mapping, fds)
-            index = file_index[identity]
+            if mapping.file not in file_index:
+                file_index[mapping.file] = _open_file(mapping, fds)
+            index = file_index[mapping.file]
             if index is None:
                 ranges.append(None)
                 continue
@@ -163,7 +168,7 @@ def _open_file(mapping: Mapping, fds: list[int]) -> int | None:
     except OSError:
         return None
     info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != (mapping.dev, mapping.inode):
+    if not stat.S_ISREG(info.st_mode) or FileIdentity.of(info).file != mapping.file:
         os.close(fd)
         return None
     fds.append(fd)

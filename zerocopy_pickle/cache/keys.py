@@ -25,6 +25,7 @@ from typing import Any
 
 from .._core.loadcore import argument
 from .._names import GlobalName
+from .._storage.fileid import FileIdentity
 from .._version import __version__
 from . import entries
 from .fields import MAX_FILE_CHECKS, Call, FileCheck
@@ -120,9 +121,9 @@ class _ArgumentPickler(entries.RefPickler):
 
 
 def _stat_row(st: os.stat_result) -> list[int]:
-    """A file's identity as a fingerprint row holds it: the fields of a :class:`FileCheck` after its path (the
-    checks the server makes on every hit are built from these rows, so both come from one definition)."""
-    return list(FileCheck.of("", st)[1:])
+    """A file's identity as a fingerprint row holds it after the file's name: a :class:`FileIdentity`'s fields
+    (the checks the server makes on every hit are built from these rows, so both come from one definition)."""
+    return list(FileIdentity.of(st))
 
 
 def _fingerprint(path: str) -> list[Any]:
@@ -147,7 +148,7 @@ def _fingerprint(path: str) -> list[Any]:
         top = root.stat()
     except OSError:
         return rows
-    stack: list[tuple[Path, str, frozenset[tuple[int, int]]]] = [(root, "", frozenset({(top.st_dev, top.st_ino)}))]
+    stack: list[tuple[Path, str, frozenset[tuple[int, int]]]] = [(root, "", frozenset({FileIdentity.of(top).file}))]
     while stack:
         directory, prefix, above = stack.pop()
         try:
@@ -165,9 +166,9 @@ def _fingerprint(path: str) -> list[Any]:
             except OSError:
                 continue  # a dangling link: nothing a loader could read
             if stat.S_ISDIR(st.st_mode):
-                identity = (st.st_dev, st.st_ino)
-                if identity not in above:
-                    stack.append((Path(child.path), name + os.sep, above | {identity}))
+                folder = FileIdentity.of(st).file
+                if folder not in above:
+                    stack.append((Path(child.path), name + os.sep, above | {folder}))
             elif stat.S_ISREG(st.st_mode):
                 rows.append([name, *_stat_row(st)])
     return sorted(rows)
@@ -341,9 +342,10 @@ def describe(point: str, cls: type | None, args: tuple[Any, ...], kwargs: dict[s
     }
     key = hashlib.blake2b(json.dumps(material, sort_keys=True, default=str).encode(), digest_size=20).hexdigest()
     # The same identities, by the path the loader opens, for the server to check again on every hit.
-    checks = [FileCheck(root if not row[0] else os.path.join(root, row[0]), *row[1:])
+    checks = [FileCheck(root if not row[0] else os.path.join(root, row[0]), FileIdentity(*row[1:]))
               for root, rows in files.items() for row in rows]  # fmt: skip
-    if len(checks) > MAX_FILE_CHECKS or len(json.dumps(checks)) > REQUEST.header * 3 // 4:  # as the header holds them
+    sent = [c.encode() for c in checks]  # as the header holds them
+    if len(checks) > MAX_FILE_CHECKS or len(json.dumps(sent)) > REQUEST.header * 3 // 4:
         raise Uncacheable(f"the call's arguments name too many files (at most {MAX_FILE_CHECKS}, in a request)")
     name = f"{cls.__qualname__}.{point.rpartition('.')[2]}" if cls is not None else split_point(point).qualname
     shown = next((a for a in args if isinstance(a, (str, os.PathLike))), "")

@@ -4,13 +4,12 @@ An *entry* is one cached call: its pickle stream (small, kept in the server's me
 each a range of a segment (``segments.py``), with the keys of the entries it references (its arguments). The
 table here keeps them by key, least recently used first: the store evicts from the front. Beside them, the calls
 whose results a client could not capture, with the files their keys were computed from, so that a miss is not
-loaded again for nothing while those files stay what they were. This module needs only the standard library:
-the server never imports torch.
+loaded again for nothing while those files stay what they were. This module needs only the standard library
+(and ``zerocopy_pickle._storage.fileid``, which needs nothing else): the server never imports torch.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -18,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from .._storage.fileid import FileIdentity
 from .fields import BufferRow, FileCheck, decode_buffer_table, decode_file_checks, decode_plugins, encode_buffer_table
 from .messages import Get
 from .protocol import ProtocolError
@@ -61,7 +61,7 @@ class Entry:
         return {**asdict(self), "buffers": encode_buffer_table(self.buffers), "stream": self.stream.hex(),
                 "args": self.args.hex(), "plugins": [list(p) for p in self.plugins],
                 "args_plugins": [list(p) for p in self.args_plugins],
-                "files": [list(f) for f in self.files]}  # fmt: skip
+                "files": [f.encode() for f in self.files]}  # fmt: skip
 
     @classmethod
     def decode(cls, row: Any) -> Entry:
@@ -221,9 +221,8 @@ def files_changed(files: Sequence[FileCheck]) -> bool:
     rewrite in place, a replaced file, a re-pointed link, a moved Hub ref)."""
     for check in files:
         try:
-            info = os.stat(check.path)
+            if FileIdentity.of_path(check.path) != check.identity:
+                return True
         except OSError:
-            return True
-        if FileCheck.of(check.path, info) != check:
             return True
     return False

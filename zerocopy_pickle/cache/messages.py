@@ -97,7 +97,7 @@ class Get:
     def encode(self) -> dict[str, Any]:
         return {"op": self.OP, "key": self.key, "call": self.call.encode(), "describe": self.describe,
                 "plugins": [list(p) for p in self.plugins], "cwd": self.cwd,
-                "files": [list(f) for f in self.files], "fill": self.fill,
+                "files": [f.encode() for f in self.files], "fill": self.fill,
                 "background": self.background}  # fmt: skip
 
     @classmethod

@@ -11,8 +11,8 @@ clients map is exactly what was persisted and can no longer change; a segment th
 persisted drops only the entries using it (and those that took them as arguments); anything else amiss and the
 server starts cold, having unpickled nothing (nothing in the directory is ever unpickled by the server: entries'
 streams are bytes it hands to the user's own clients). This module needs only the standard library (and
-``zerocopy_pickle._storage``'s ``arena``, ``atomic``, ``readahead`` and ``writes``, which need nothing else): the
-server never imports torch.
+``zerocopy_pickle._storage``'s ``arena``, ``atomic``, ``fileid``, ``readahead`` and ``writes``, which need nothing
+else): the server never imports torch.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from .._storage import arena, atomic, readahead, writes
+from .._storage.fileid import FileIdentity
 from .lru import Entries, Entry
 from .protocol import CacheError, open_private_directory, runtime_dir
-from .segments import Segment, Segments, identity
+from .segments import Segment, Segments
 
 _INDEX = "index.json"
 _INDEX_VERSION = 4  # 3: typed buffer rows and the plugins entries need; 4: the files each key was computed from
@@ -104,7 +105,7 @@ class Persistence:
                 "nbytes": s.nbytes,
                 "kind": s.kind,
                 "source": s.source,
-                "identity": s.identity,
+                "identity": identity_row(s.identity) if s.identity is not None else None,
                 "sha256": s.sha256,
             }
             for s in segments
@@ -371,8 +372,29 @@ def _reopen_file(row: dict[str, Any]) -> Segment | None:
         fd = os.open(row["source"], os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
-    found = identity(os.fstat(fd))
-    if list(found) != list(row["identity"]):
+    found = FileIdentity.of_fd(fd)
+    if found != identity_of_row(row["identity"]):
         os.close(fd)
         return None
     return Segment(row["id"], fd, row["nbytes"], kind="file", source=row["source"], identity=found)
+
+
+def identity_row(identity: FileIdentity) -> list[int]:
+    """A file segment's identity as the index holds it: ``[dev, ino, size, mtime_ns, ctime_ns]``, the order of
+    the indexes written before :class:`FileIdentity` was one type (kept: those still load). The one conversion
+    to that order; :func:`identity_of_row` is the one back."""
+    return [identity.dev, identity.ino, identity.size, identity.mtime_ns, identity.ctime_ns]
+
+
+def identity_of_row(row: Any) -> FileIdentity | None:
+    """The identity an index row holds (:func:`identity_row`'s order); None if it is not five integers (no file
+    has it: the segment is not restored).
+
+    Raises:
+        TypeError: it is not even a sequence (the index is damaged: a cold start).
+    """
+    values = list(row)
+    if len(values) != 5 or not all(type(v) is int for v in values):
+        return None
+    dev, ino, size, mtime_ns, ctime_ns = values
+    return FileIdentity(size, mtime_ns, ctime_ns, ino, dev)

@@ -11,8 +11,8 @@ were evicted (the LayerNorm weights two checkpoints have in common), which would
 So before evicting anything more, the store *compacts*: :meth:`Segments.compact` copies the ranges still in use
 into a new, smaller sealed memfd and the entries are repointed. Clients that mapped the old segment keep their
 mapping; a load in flight that references the old ranges is repointed when its entry arrives
-(:meth:`Segments.place`). This module needs only the standard library (and ``zerocopy_pickle._storage.format``,
-``arena`` and ``writes``, which need nothing else): the server never imports torch.
+(:meth:`Segments.place`). This module needs only the standard library (and ``zerocopy_pickle._storage``'s
+``arena``, ``fileid``, ``format`` and ``writes``, which need nothing else): the server never imports torch.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from .._storage import arena, writes
+from .._storage.fileid import FileIdentity
 from .._storage.format import align_up, padded_pieces, place_buffers
 from .fields import BufferRow
 from .protocol import CacheError
@@ -44,18 +45,12 @@ class Segment:
     path: str | None = None  # the persisted copy of a memfd segment, in the persistence directory (deleted with it)
     kind: str = "memfd"
     source: str | None = None  # a file segment's path when it was adopted (for persistence and status)
-    identity: tuple[int, ...] | None = None  # a file segment's device, inode, size, mtime and ctime (ns)
+    identity: FileIdentity | None = None  # a file segment's file, as it was when adopted
     sha256: str | None = None  # a persisted memfd segment's digest (covered by the index's authentication code)
 
     def changed(self) -> bool:
         """Whether a file segment's file was modified since it was adopted (rewritten in place, truncated)."""
-        return self.identity is not None and identity(os.fstat(self.fd)) != self.identity
-
-
-def identity(info: os.stat_result) -> tuple[int, ...]:
-    """A file's device, inode, size, mtime and ctime (ns)."""
-    # ctime too: a write changes it, and unlike mtime nobody can set it back.
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        return self.identity is not None and FileIdentity.of_fd(self.fd) != self.identity
 
 
 class Segments:
@@ -173,7 +168,7 @@ class Segments:
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
             raise CacheError("a loader sent a file segment that is not a regular file")
-        found = identity(info)
+        found = FileIdentity.of(info)
         for segment in self._segments.values():
             if segment.identity == found:
                 os.close(fd)
