@@ -278,12 +278,13 @@ def test_contributing_md_names_every_test_file_once() -> None:
 
 def test_usage_md_tables_every_environment_variable_the_code_reads() -> None:
     """docs/usage.md's table of environment variables is the one list: every ``ZEROCOPY_PICKLE_*`` name written in
-    the library, the quirks or the suite's conftest is in it, and it names nothing the code does not."""
+    the library, the quirks or the suite's conftest and zygote is in it, and it names nothing the code does not."""
     in_code = set()
     for path in [
         *(ROOT / "zerocopy_pickle").rglob("*.py"),
         *(ROOT / "quirks").rglob("*.py"),
         ROOT / "tests" / "conftest.py",
+        ROOT / "tests" / "zygote.py",
     ]:
         in_code |= set(re.findall(r"\bZEROCOPY_PICKLE_[A-Z_]*[A-Z]\b", path.read_text()))
     section = (DOCS / "usage.md").read_text().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
