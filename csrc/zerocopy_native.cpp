@@ -183,18 +183,18 @@ namespace semantics_native {
 
 constexpr std::size_t kMaxStack = std::size_t(1) << 20;  // streamcheck.MAX_STACK
 constexpr std::size_t kMaxMarks = 50000;                  // streamcheck.MAX_MARKS
-constexpr uint32_t kMaxDepth = 5000;                      // semantics.MAX_DEPTH
-constexpr uint32_t kMaxUnprotectedDepth = 200;            // semantics.MAX_UNPROTECTED_DEPTH
-constexpr uint32_t kMaxKeyDepth = 100;                    // semantics.MAX_KEY_DEPTH
-constexpr std::size_t kMaxNameLength = 1024;              // semantics.MAX_NAME_LENGTH
-constexpr uint64_t kHashFloor = uint64_t(1) << 20;        // semantics.HASH_FLOOR
-constexpr uint64_t kHashPerByte = 4;                      // semantics.HASH_PER_BYTE
-constexpr uint64_t kSizeCap = (uint64_t(1) << 40) - 1;    // semantics._SIZE_CAP (above every budget)
-constexpr uint64_t kCollisionFloor = uint64_t(1) << 25;   // semantics.COLLISION_FLOOR
-enum HashKind : uint8_t { kSecret = 0, kKnown = 1, kChosen = 2 };  // semantics._SECRET, _KNOWN, _CHOSEN
-// semantics._HASHK: a tuple's or frozenset's hash kind from the bit set of its items' (1 << kind).
+constexpr uint32_t kMaxDepth = 5000;                      // tags.MAX_DEPTH
+constexpr uint32_t kMaxUnprotectedDepth = 200;            // tags.MAX_UNPROTECTED_DEPTH
+constexpr uint32_t kMaxKeyDepth = 100;                    // tags.MAX_KEY_DEPTH
+constexpr std::size_t kMaxNameLength = 1024;              // tags.MAX_NAME_LENGTH
+constexpr uint64_t kHashFloor = uint64_t(1) << 20;        // tags.HASH_FLOOR
+constexpr uint64_t kHashPerByte = 4;                      // tags.HASH_PER_BYTE
+constexpr uint64_t kSizeCap = (uint64_t(1) << 40) - 1;    // tags._SIZE_CAP (above every budget)
+constexpr uint64_t kCollisionFloor = uint64_t(1) << 25;   // tags.COLLISION_FLOOR
+enum HashKind : uint8_t { kSecret = 0, kKnown = 1, kChosen = 2 };  // tags._SECRET, _KNOWN, _CHOSEN
+// tags._HASHK: a tuple's or frozenset's hash kind from the bit set of its items' (1 << kind).
 constexpr uint8_t kHashOfItems[8] = {kKnown, kSecret, kChosen, kSecret, kChosen, kChosen, kChosen, kChosen};
-// semantics._FROZEN_HASHK: a frozenset XORs its members' hashes, so a common secret member cancels out.
+// tags._FROZEN_HASHK: a frozenset XORs its members' hashes, so a common secret member cancels out.
 constexpr uint8_t kFrozenHashOfItems[8] = {kKnown, kSecret, kChosen, kChosen, kChosen, kChosen, kChosen, kChosen};
 
 enum Code : int { kOk = 0, kMalformed = 1, kRefused = 2, kTooDeep = 3, kDefer = 4 };
@@ -498,8 +498,8 @@ class Analyzer {
   // The analysis.
   bool alive_ = true;
   bool deferred_ = false;
-  uint64_t hash_left_;       // semantics._Hashing.left
-  uint64_t colliding_left_;  // semantics._Hashing.colliding
+  uint64_t hash_left_;       // tags._Hashing.left
+  uint64_t colliding_left_;  // tags._Hashing.colliding
   int error_code_ = kOk;
   std::size_t error_pos_ = 0;
   std::vector<Tag> tags_;
@@ -510,7 +510,7 @@ class Analyzer {
   py::dict pair_index_;
   std::vector<py::object> pairs_;  // (module, qualname) tuples, in order of first appearance
   std::vector<uint8_t> called_, instantiated_, mutated_;
-  std::vector<uint8_t> unprotected_;  // the pair is in semantics._UNPROTECTED
+  std::vector<uint8_t> unprotected_;  // the pair is in tags._UNPROTECTED
   std::vector<uint32_t> mutated_order_;
   std::size_t collect_at_;
   std::size_t next_collect_;
