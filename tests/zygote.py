@@ -139,8 +139,16 @@ def serve(path):
     listener.bind(path)
     listener.listen(64)
     print("ready", flush=True)
+    parent = os.getppid()
+    listener.settimeout(1.0)
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if os.getppid() != parent:
+                return  # the pytest worker is gone (it stops the zygote when it exits normally)
+            continue
+        conn.settimeout(None)
         try:
             fds = array.array("i")
             msg, ancdata, _, _ = conn.recvmsg(FRAME.size, socket.CMSG_LEN(2 * fds.itemsize))
