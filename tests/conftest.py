@@ -82,11 +82,12 @@ def run_python(
     that only load models, never for one that checks what an interpreter imports or how much memory it uses."""
     removed = set(unset)
     env = {k: v for k, v in os.environ.items() if k not in removed} | {"PYTHONUNBUFFERED": "1", **(env or {})}
+    code = textwrap.dedent(code)
     if preloaded and ZYGOTE.usable(env):
-        proc = ZYGOTE.run(textwrap.dedent(code), args, env, str(cwd), timeout)
+        proc = ZYGOTE.run(code, args, env, str(cwd), timeout)
     else:
         proc = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code), *args],
+            [sys.executable, "-c", code, *args],
             capture_output=True,
             text=True,
             timeout=timeout,
