@@ -23,14 +23,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, Union
 
-from .._devices.device import MapLocation, Targets, is_cpu
+from .._devices.device import MapLocation
 from .._registry.registry import Registry
-from .._storage import arena, atomic, format, integrity, progress, readahead, remote, sources, writes
+from .._storage import arena, atomic, format, progress, readahead, remote, sources, writes
 from .._trust.entries import AllowSpec
 from .._trust.restricted import scan_stream
 from ..errors import ArgumentError, SnapshotError, ZeroCopyPickleError
-from . import loadcore
+from . import opening
 from .dumping import Prepared, warn_if_trusted_only
+from .opening import Prefetching
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -240,82 +241,6 @@ def freeze(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _load_view(
-    view: memoryview,
-    *,
-    map_location: MapLocation | Targets,
-    trusted: bool | None,
-    allow: AllowSpec,
-    verify: bool = False,
-    key: bytes | str | None = None,
-    stable: bool = False,
-    registry: Registry | None = None,
-    header: format.Header | None = None,
-    source: str = "a buffer",
-    level: int = logging.DEBUG,
-    before_buffers: Callable[[], object] | None = None,
-    file: tuple[int, int] | None = None,
-) -> Any:
-    """Unpickle the snapshot that fills ``view`` (writable, aligned); storages become views into it.
-
-    Everything that can be checked is checked before the unpickler runs: the header, the signature (with a
-    key), the stream's checksum, bounds and buffer count, the buffers' checksums (with ``verify``), that every
-    device exists, that every plugin is loaded. ``trusted=None`` means trusted only if a key verified the
-    signature.
-
-    What is checked is what is used: the header and the stream are parsed, checked and unpickled from private
-    copies (``bytes``). ``stable`` says that nobody can change the bytes behind ``view`` (private memory, a
-    sealed memfd); otherwise ``verify`` copies every buffer into private memory as it checks it, and the
-    storages are views into that copy. ``header``: the header already decoded from ``view`` (by
-    :func:`~zerocopy_pickle._storage.sources.open_source`), else it is decoded here. ``source`` and ``level``: how the
-    log record of the load names the snapshot, and at which level it is logged. ``before_buffers``: called once
-    every check passed, just before the buffers are sliced (a prefetch starts there, so that a refused load reads
-    nothing and the checks' own reads, such as plugins' imports, do not queue behind it). ``file``: ``(fd, offset)``
-    of the file ``view`` maps (offset: of the snapshot's first byte), for a bulk transfer to a device that reads
-    the file itself where its pages are not cached; it is not used when ``verify`` copied the buffers.
-    """
-    start = time.perf_counter()
-    if header is None:
-        header = sources.read_header(sources.at_view(view), view.nbytes)
-    stream = bytes(view[header.stream_offset : header.stream_offset + header.stream_nbytes])
-    if key is not None:
-        integrity.verify_signature(header, stream, key)
-    if trusted is None:
-        trusted = key is not None
-    integrity.verify_stream(header, stream)
-
-    def checked_buffers() -> list[memoryview]:
-        if before_buffers is not None:
-            before_buffers()
-        if verify and not stable:
-            return integrity.copy_verified(header, view)  # later writes to the file cannot reach these
-        buffers = [view[start:stop] for start, stop in map(header.buffer_range, range(len(header.buffers)))]
-        if verify:
-            integrity.verify_buffers(header, buffers)
-        return buffers
-
-    table = loadcore.BufferTable(
-        checked_buffers,
-        declared=len(header.buffers),
-        locations=[entry.location for entry in header.buffers],
-        tensor_buffers=[entry.dtype is not None for entry in header.buffers],
-        source_file=None if file is None or (verify and not stable) else _buffer_offsets(header, *file),
-    )
-    policy = loadcore.LoadPolicy(
-        trusted=trusted, plugins=header.plugins, allow=allow, map_location=map_location, registry=registry
-    )
-    result = loadcore.load_stream(stream, table, policy, where=f"the pickle stream (offset {header.stream_offset})")
-    log.log(level, "loaded %s: %d bytes, %d buffers, %s%s, %.3f s", source, header.total_nbytes,
-            len(header.buffers), "trusted" if trusted else "restricted", ", verified" if verify else "",
-            time.perf_counter() - start)  # fmt: skip
-    return result
-
-
-def _buffer_offsets(header: format.Header, fd: int, offset: int) -> tuple[int, list[int]]:
-    """``(fd, the absolute file offset of each buffer)``, as :func:`loadcore.load_stream`'s ``source_file``."""
-    return fd, [offset + header.buffer_range(index)[0] for index in range(len(header.buffers))]
-
-
 def load(
     f: PathLike | IO[bytes],
     *,
@@ -398,7 +323,7 @@ def load(
         >>> zp.load("state.zcp", map_location=device)["weight"].device.type == device
         True
     """
-    mode = _prefetch_mode(prefetch)
+    mode = opening.prefetch_mode(prefetch)
     source = _name(f)
     if remote.is_url(f):
         # the verified download, opened by fd under its lock: what is mapped is what was checked
@@ -408,7 +333,7 @@ def load(
         if isinstance(f, str) and f.startswith("file://"):
             f = source = f.removeprefix("file://")
         opened = sources.open_source(f, sources.LOAD, what="load", copy=copy, keep_file=True)
-    return _load_opened(
+    return opening.load_opened(
         opened,
         mode,
         map_location=map_location,
@@ -420,67 +345,6 @@ def load(
         source=source,
         level=logging.INFO,
     )
-
-
-Prefetching = bool | str | None
-"""``prefetch=`` of :func:`load` and :meth:`Snapshot.load`: None (the default), True, False or ``"wait"``."""
-
-
-def _prefetch_mode(prefetch: Prefetching) -> str | None:
-    """``"start"``, ``"wait"`` or None (no prefetch) for a ``prefetch=`` argument."""
-    if prefetch is None:
-        return {"off": None, "wait": "wait", "on": "start"}[readahead.switch()]
-    if prefetch is True:
-        return "start"
-    if prefetch is False:
-        return None
-    if prefetch == "wait":
-        return "wait"
-    raise ArgumentError(f"prefetch must be None, True, False or 'wait', not {prefetch!r:.40}")
-
-
-def _stays_on_cpu(targets: Targets, header: format.Header) -> bool:
-    """Whether a load's storages are built over the mapping (else a bulk transfer reads the file for the device,
-    and reading it into the page cache as well would compete with it). A callable decides storage by storage on
-    the CPU storages: its ``target`` is None."""
-    devices = {targets.target(entry.location) for entry in header.buffers if entry.dtype is not None}
-    return all(target is None or is_cpu(target) for target in devices)
-
-
-def _load_opened(opened: sources.Opened, mode: str | None, *, map_location: MapLocation, source: str,
-                 **kwargs: Any) -> Any:  # fmt: skip
-    """:func:`_load_view` of an opened snapshot, with its prefetch (``mode``), closing its kept fd."""
-    job = None
-    targets = Targets.of(map_location)  # examined once: here for the prefetch, then by the load core
-
-    def start_prefetch() -> None:
-        nonlocal job
-        if mode is not None and opened.file is not None and _stays_on_cpu(targets, opened.header):
-            fd, offset = opened.file
-            start = offset + opened.header.data_offset
-            job = readahead.start(fd, start, start + opened.header.data_nbytes, name=source)
-
-    try:
-        result = _load_view(
-            opened.view,
-            map_location=targets,
-            stable=opened.stable,
-            header=opened.header,
-            source=source,
-            before_buffers=start_prefetch,
-            file=opened.file,
-            **kwargs,
-        )
-    except BaseException:
-        if job is not None:
-            job.cancel()  # a failed load leaves nothing running
-        raise
-    finally:
-        if opened.file is not None:
-            os.close(opened.file[0])
-    if job is not None and mode == "wait":
-        job.wait()
-    return result
 
 
 def prefetch(f: PathLike | int, *, wait: bool = False, streams: int | None = None) -> readahead.Prefetch | None:
@@ -574,7 +438,7 @@ def loads(
         {'bias': tensor([0., 0.])}
     """
     opened = sources.open_source(data, sources.LOADS, what="loads", copy=copy)
-    return _load_view(
+    return opening.load_view(
         opened.view,
         map_location=map_location,
         trusted=trusted,
@@ -812,11 +676,11 @@ class Snapshot:
                 f"the snapshot file changed size since it was opened ({self.nbytes} -> {size} bytes); "
                 f"somebody rewrote it in place - reopen it"
             )
-        mode = _prefetch_mode(prefetch)
+        mode = opening.prefetch_mode(prefetch)
         opened = sources.open_source(fd, sources.FD, what="Snapshot.load", keep_file=True)
         if trusted is None and self._trusted:
             trusted = True
-        return _load_opened(
+        return opening.load_opened(
             opened,
             mode,
             map_location=map_location,
