@@ -10,7 +10,7 @@ really does, measured by operation counters, never by the clock.
   most ``max(HASH_FLOOR, HASH_PER_BYTE * len(stream))`` elements; a refusal is a SnapshotError or a
   RestrictedLoadError, and a refusal for the hashing budget of a stream of tuples only is one whose replay
   exceeds it (the model charges tuples exactly).
-* The analysis's own work. Lines of zerocopy_pickle/_trust/semantics.py and tags.py executed while
+* The analysis's own work. Lines of zerocopy_pickle/_trust/semantics.py, handlers.py and tags.py executed while
   :func:`semantics.analyze` runs (``sys.settrace``), per byte of stream, stay under one constant for every
   generated stream, from a few bytes to hundreds of kilobytes: each opcode costs a bounded number of steps, and
   each item is visited a bounded number of times (when put into a container, and when hashed), however it is
@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zerocopy_pickle as zp
-from tests.internals import semantics, streamcheck, tags
+from tests.internals import handlers, semantics, streamcheck, tags
 from zerocopy_pickle.errors import RestrictedLoadError, SnapshotError
 
 from .conftest import REPO
@@ -264,12 +264,12 @@ def test_the_hashing_bound_is_tight_for_tuples() -> None:
 # The analysis's own work: lines executed per byte
 # ---------------------------------------------------------------------------------------------------------
 
-ANALYSIS_FILES = frozenset({semantics.__file__, tags.__file__})  # the opcode handlers, and the tags they build
+ANALYSIS_FILES = frozenset({semantics.__file__, handlers.__file__, tags.__file__})  # the opcode handlers, and the tags
 
 
 def lines_executed(function: Callable[[], object]) -> int:
-    """Lines of zerocopy_pickle/_trust/semantics.py and tags.py that ``function()`` executes (an operation
-    counter)."""
+    """Lines of zerocopy_pickle/_trust/semantics.py, handlers.py and tags.py that ``function()`` executes (an
+    operation counter)."""
     count = 0
 
     def local(frame: FrameType, event: str, arg: object) -> Any:
