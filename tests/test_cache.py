@@ -10,6 +10,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -24,6 +25,7 @@ import torch
 
 from examples.models import build_controlnet_pipeline
 from zerocopy_pickle.cache import protocol
+from zerocopy_pickle.cache.client import Client
 from zerocopy_pickle.cache.server import Server
 
 from .cache_helpers import ServerProcess, build_gpt2, private_dir, run_client, running_server, wait_until
@@ -734,13 +736,16 @@ def test_the_server_refuses_other_users_by_credentials() -> None:
             real = server_module.peer_credentials
             server_module.peer_credentials = lambda sock: (1, os.getuid() + 1, 0)  # type: ignore[assignment]
             try:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                    sock.connect(str(directory / "server.sock"))
-                    protocol.send(sock, {"op": "ping"})
-                    reply, _, _ = protocol.receive(sock)
+                with Client(directory / "server.sock") as client:
+                    # The server refuses at once and hangs up: wait for the hang-up, so that the request meets a
+                    # closed socket every time; the client must still report the server's reason.
+                    poller = select.poll()
+                    poller.register(client.sock, select.POLLHUP)
+                    wait_until(lambda: bool(poller.poll(100)), what="the server hanging up on a foreign peer")
+                    with pytest.raises(protocol.CacheError, match=f"uid {os.getuid() + 1} may not use the cache"):
+                        client.request({"op": "ping"})
             finally:
                 server_module.peer_credentials = real
-            assert reply["ok"] is False and "may not use the cache" in reply["error"]
         finally:
             server.stop()
             serving.join(timeout=10)

@@ -56,11 +56,18 @@ class Client:
         header = message.encode() if hasattr(message, "encode") else message
         if timeout is not None:
             self.sock.settimeout(timeout)
+        unsent: OSError | None = None
         try:
-            send(self.sock, header, payload, fds)
+            try:
+                send(self.sock, header, payload, fds)
+            except (BrokenPipeError, ConnectionResetError) as e:
+                # A server that refuses a connection (another user's, one too many) answers at once and hangs up,
+                # possibly before this request went out: its reason is waiting to be read all the same.
+                unsent = e
             reply, data, received = receive(self.sock)
         except (OSError, ProtocolError) as e:
-            raise CacheError(f"the cache server did not answer ({type(e).__name__}: {e})") from e
+            cause = unsent or e
+            raise CacheError(f"the cache server did not answer ({type(cause).__name__}: {cause})") from cause
         if not reply.get("ok"):
             for fd in received:
                 os.close(fd)
