@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,7 +12,7 @@ import pytest
 
 from .cache_helpers import wait_until
 from .conftest import REPO
-from .zygote import ZYGOTE, Zygote
+from .zygote import ZYGOTE
 
 
 def both(code: str, *args: str, cwd: Path = REPO, timeout: float = 120, **extra: str) -> tuple[object, object]:
@@ -111,16 +110,3 @@ def test_a_script_may_not_come_from_the_zygote_when_the_environment_differs_beyo
         assert ZYGOTE.usable({**env, "ZEROCOPY_PICKLE_CACHE_DIR": "/elsewhere", "PYTEST_CURRENT_TEST": "x"})
     assert not ZYGOTE.usable({**env, "HF_HOME": "/elsewhere"})  # read by huggingface_hub at import
     assert not ZYGOTE.usable({k: v for k, v in env.items() if k != "PYTHONPATH"})
-
-
-def test_a_variable_the_worker_sets_before_the_zygote_starts_is_in_the_zygote_s_environment(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("ZEROCOPY_PICKLE_TEST_FRESH", raising=False)  # this one is about the zygote itself
-    zygote = Zygote()  # made at import, as ZYGOTE is; started on first use, after collection
-    try:
-        monkeypatch.setenv("RAY_CLIENT_MODE", "0")  # what importing ray does while the tests are collected
-        assert zygote.usable({**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
-    finally:
-        zygote.stop()
-        shutil.rmtree(zygote._directory, ignore_errors=True)

@@ -186,18 +186,7 @@ class Zygote:
         self._lock = threading.Lock()
         self._process: subprocess.Popen[str] | None = None
         self._directory = Path(tempfile.mkdtemp(prefix="zcp-zygote-"))
-        self._env: dict[str, str] | None = None  # the environment it started with
-
-    @property
-    def env(self) -> dict[str, str]:
-        """The zygote's environment: the worker's when the zygote started, or as it would start now. Taken at the
-        first use, not when this module is imported: an import during collection may set variables in the worker
-        (importing ray sets ``RAY_CLIENT_MODE``), and a zygote that had not seen them would be unusable for every
-        script after it (in one suite run no script came from the zygote, and the GPT-2 client scripts alone, each
-        importing torch and transformers afresh, took 37% of the suite's CPU samples: ``benchmarks/suite_cpu.py``)."""
-        if self._env is not None:
-            return self._env
-        return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
 
     @property
     def socket_path(self) -> Path:
@@ -217,10 +206,9 @@ class Zygote:
                 return
             if self._process is not None:
                 raise AssertionError(f"the test zygote exited ({self._process.returncode})")
-            self._env = self.env
             self._process = subprocess.Popen(
                 [sys.executable, "-c", _SERVE, str(self.socket_path), *PRELOAD],
-                env=self._env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+                env=self.env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
             )  # fmt: skip
             assert self._process.stdout is not None
             line = self._process.stdout.readline()  # after the preloads: "ready", or EOF if it failed
