@@ -27,16 +27,20 @@ import sys
 from pathlib import Path
 
 _RECORD = re.compile(r"(.*?) (\d+)\n(?=process |\Z)", re.S)  # py-spy's raw format: "frame;frame;... count"
-_PROCESS = re.compile(r'process \d+:"(.*?)"(?:;|$)', re.S)
+_PROCESS = re.compile(r'process \d+:"')
+# A command line ends at the quote before the first frame ("name (file:line)"): it may hold quotes and ";" itself.
+_COMMAND_END = re.compile(r'"(?:;(?=[^;\n]* \([^;]*:\d+\))|$)')
 
 
 def _split(stack: str) -> tuple[str, list[str]]:
     """A sampled stack's process command line and its Python frames (outermost first)."""
-    commands = list(_PROCESS.finditer(stack))
-    if not commands:
+    starts = list(_PROCESS.finditer(stack))
+    if not starts:
         return "", stack.split(";")
-    rest = stack[commands[-1].end() :]
-    return commands[-1].group(1), [frame for frame in rest.split(";") if frame]
+    end = _COMMAND_END.search(stack, starts[-1].end())
+    command = stack[starts[-1].end() : end.start() if end else len(stack)]
+    rest = stack[end.end() :] if end else ""
+    return command.replace("\n", " "), [frame for frame in rest.split(";") if frame]
 
 
 def kind(command: str, frames: list[str]) -> str:
@@ -49,11 +53,12 @@ def kind(command: str, frames: list[str]) -> str:
         return "cache loader"
     if "zerocopy_pickle.cache" in command and "serve" in command:
         return "cache server"
-    if any("_pytest/" in frame or "execnet" in frame or "xdist" in frame for frame in frames) or "pytest" in command:
+    # Not "pytest" anywhere in the command line: a script's arguments name pytest's temporary folders.
+    if "exec(eval(sys.stdin.readline()))" in command or " -m pytest" in command:
         return "pytest (the workers and the main process)"
-    if " -c " in command or command.endswith(" -c"):
+    if " -c " in command:
         return "fresh interpreter (python -c)"
-    return "other: " + (command.replace("\n", " ")[:60] or "(no command line)")
+    return "other: " + (command[:60] or "(no command line)")
 
 
 def report(path: Path, top: int) -> None:
